@@ -1,0 +1,1 @@
+"""CUDA C++ sources of cupyflash, shipped as package data and compiled by NVRTC."""

@@ -1,0 +1,181 @@
+// Tensor-core building blocks for sm_80+ (inline PTX): cp.async, ldmatrix, mma.sync m16n8k16,
+// and the shared-memory tile layout that keeps ldmatrix and cp.async free of bank conflicts.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 4*g + t, g = lane/4 row group, t = lane%4):
+//   A (16x16, row-major): a[0] = (row g,   cols 2t..2t+1)   a[1] = (row g+8, cols 2t..2t+1)
+//                         a[2] = (row g,   cols 2t+8..+9)   a[3] = (row g+8, cols 2t+8..+9)
+//   B (16x8,  col-major): b[0] = (k 2t..2t+1, col g)         b[1] = (k 2t+8..+9, col g)
+//   C (16x8, f32):        c[0..1] = (row g, cols 2t..2t+1)  c[2..3] = (row g+8, cols 2t..2t+1)
+// Two neighbouring C tiles (cols 0..7 and 8..15) packed to 16 bits are exactly one A fragment,
+// which is why P (and dS) never leave registers on the way into the next product.
+#pragma once
+#include "common.cuh"
+
+namespace cupyflash {
+namespace mma {
+
+// NVRTC ships no <cstdint>/<type_traits>: the two things needed from them.
+using uint32_t = unsigned int;
+using int64_t = long long;
+template <typename A, typename B> inline constexpr bool is_same_v = false;
+template <typename A> inline constexpr bool is_same_v<A, A> = true;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ------------------------------------------------------------------------------ cp.async
+
+// 16-byte global->shared copy that bypasses L1. src_bytes < 16 zero-fills the tail; 0 reads nothing,
+// which is how partial tiles (rows past N, columns past D) become zeros without a branch.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ------------------------------------------------------------------------------ ldmatrix
+
+// Four 8x8 b16 matrices; lane i gives the address of row i%8 of matrix i/8, and register j of
+// every lane receives matrix j in the A/B fragment order above.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Transposed: lane (g, t) receives rows 2t, 2t+1 of column g; used where the stored rows are the
+// contraction index (V in P V, dO in P^T dO, Q in dS^T Q, K in dS K).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ------------------------------------------------------------------------------ mma
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    static_assert(is_same_v<T, __nv_bfloat16>, "mma needs __half or __nv_bfloat16");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats rounded to T and packed lo | hi << 16 (lo is the lower column of a fragment pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (is_same_v<T, __half>) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// ------------------------------------------------------------------------------ smem tiles
+
+// A tile of rows x D elements (16-bit) in shared memory, addressed by (row, 16-byte chunk).
+// When a row spans a multiple of 8 chunks (128 bytes), chunk c of row r lives at c ^ (r % 8): the 8
+// rows one ldmatrix reads then hit 8 different bank groups. Other widths get one spare chunk per
+// row instead (row pitch = odd multiple of 16 bytes), which spreads 8 rows over 8 bank groups too.
+template <int D>
+struct TileLayout {
+  static_assert(D % 8 == 0, "tile width must be a whole number of 16-byte chunks");
+  static constexpr bool kSwizzle = D % 64 == 0;
+  static constexpr int kPitch = kSwizzle ? D : D + 8;  // elements per row in smem
+
+  __device__ static __forceinline__ int offset(int row, int chunk) {
+    if constexpr (kSwizzle) {
+      return row * kPitch + ((chunk ^ (row & 7)) << 3);
+    } else {
+      return row * kPitch + (chunk << 3);
+    }
+  }
+};
+
+// Per-lane byte offsets of the ldmatrix rows for chunk pairs (2*ks + cb), ks = 0, 1, ...: with the
+// swizzle only ks % 4 changes the XOR pattern, so four registers cover any head dim and the rest
+// (ks / 4, and row shifts by multiples of 8) folds into the instruction's immediate offset.
+template <int D>
+struct LdmRows {
+  using L = TileLayout<D>;
+  uint32_t off[4];
+  __device__ __forceinline__ LdmRows(int row, int cb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) off[i] = static_cast<uint32_t>(L::offset(row, 2 * i + cb)) * 2u;
+  }
+  // Byte offset for chunk 2*ks + cb of (row + row_shift); row_shift must be a multiple of 8.
+  __device__ __forceinline__ uint32_t at(int ks, int row_shift = 0) const {
+    const uint32_t shift = static_cast<uint32_t>(row_shift * L::kPitch * 2);
+    if constexpr (L::kSwizzle) {
+      return off[ks & 3] + static_cast<uint32_t>((ks >> 2) * 128) + shift;
+    } else {
+      return off[0] + static_cast<uint32_t>(ks * 32) + shift;
+    }
+  }
+};
+
+// Cooperative async load of a ROWS x D tile (D a padded head dim) from a row-strided global array.
+// Rows at or past rows_valid and columns at or past d_valid are zero-filled. The source pointer
+// stays inside the array even for zero-fill copies (rows_valid >= 1 is required).
+template <typename T, int D, int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row_stride, int rows_valid,
+                                                int d_valid) {
+  using L = TileLayout<D>;
+  constexpr int kChunks = D / 8;
+  constexpr int kTotal = ROWS * kChunks;
+  constexpr int kIters = (kTotal + NTHREADS - 1) / NTHREADS;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = it * NTHREADS + static_cast<int>(threadIdx.x);
+    if (kTotal % NTHREADS == 0 || idx < kTotal) {
+      const int r = idx / kChunks;
+      const int c = idx % kChunks;
+      const int left = d_valid - c * 8;
+      const bool row_ok = r < rows_valid;
+      const int nbytes = row_ok ? (left >= 8 ? 16 : (left > 0 ? left * 2 : 0)) : 0;
+      const T* src = g + (nbytes ? static_cast<int64_t>(r) * row_stride + c * 8 : 0);
+      cp_async_16(smem_u32(smem + L::offset(r, c)), src, nbytes);
+    }
+  }
+}
+
+// Reductions over the 4 lanes (t = 0..3) that share a fragment row.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Store two adjacent output elements (4 bytes) of type T from floats.
+template <typename T>
+__device__ __forceinline__ void store2(T* dst, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
+}
+
+}  // namespace mma
+}  // namespace cupyflash

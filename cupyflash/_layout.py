@@ -1,0 +1,51 @@
+"""Seeing (..., H, N, D) arrays as 4-D (B, H, N, D) views without copies.
+
+Kernels take element strides, so any strided view works as long as the last dim is
+contiguous. Leading batch dims are merged into one when their strides allow it; when they
+don't, the launcher loops over the outer indices (a rare layout, still without copies).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+
+def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    return all(s_outer == s_inner * n_inner for (_, s_outer), (n_inner, s_inner) in zip(dims, dims[1:]))
+
+
+def unit_last_stride(x: Any) -> Any:
+    """``x`` itself when its last dim is contiguous, else a contiguous copy (the one copy we make)."""
+    if x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        import cupy
+
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def as_4d(x: Any, nbatch: int) -> Any | None:
+    """A (B, H, N, D) view of x with shape (*batch, H, N, D), or None if the batch dims can't merge."""
+    from cupy.lib.stride_tricks import as_strided
+
+    batch, tail = x.shape[:nbatch], x.shape[nbatch:]
+    bstrides = x.strides[:nbatch]
+    if not _mergeable(batch, bstrides):
+        return None
+    b = 1
+    for n in batch:
+        b *= n
+    inner = [s for n, s in zip(batch, bstrides) if n != 1]
+    sb = inner[-1] if inner else x.itemsize * max(1, x.size)
+    # A trailing 3-D (H, N, D) array gets its batch axis prepended.
+    return as_strided(x, (b, *tail), (sb, *x.strides[nbatch:]))
+
+
+def batch_views(arrays: Sequence[Any], batch: tuple[int, ...]) -> Iterator[tuple[Any, ...]]:
+    """Yield tuples of 4-D views that together cover every batch index of every array."""
+    views = [as_4d(x, len(batch)) for x in arrays]
+    if all(v is not None for v in views):
+        yield tuple(views)
+        return
+    # Peel the outermost batch dim and try again on each slice.
+    for i in range(batch[0]):
+        yield from batch_views([x[i] for x in arrays], batch[1:])

@@ -1,0 +1,74 @@
+"""Launch geometry as data: pure functions of the problem shape and the device limits.
+
+Each kernel family has a module here (``portable``, ``mma``, ``linear``) that turns an
+``AttentionProblem`` and ``DeviceLimits`` into ``LaunchPlan`` objects; nothing in them touches
+a GPU, so they are unit-tested on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """The few device properties that launch geometry depends on."""
+
+    compute_capability: int  # 80 for sm_80, 90 for sm_90
+    sm_count: int
+    max_shared_per_block: int  # opt-in maximum of dynamic + static shared bytes per block
+
+    @classmethod
+    def current(cls) -> "DeviceLimits":
+        import cupy
+
+        dev = cupy.cuda.Device()
+        return _current(dev.id)
+
+
+def _query(device_id: int) -> DeviceLimits:
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    attrs = dev.attributes
+    return DeviceLimits(
+        compute_capability=int(dev.compute_capability),
+        sm_count=attrs["MultiProcessorCount"],
+        max_shared_per_block=attrs["MaxSharedMemoryPerBlockOptin"],
+    )
+
+
+_cache: dict[int, DeviceLimits] = {}
+
+
+def _current(device_id: int) -> DeviceLimits:
+    if device_id not in _cache:
+        _cache[device_id] = _query(device_id)
+    return _cache[device_id]
+
+
+#: Limits of common GPUs, for tests and for planning without a device.
+A100 = DeviceLimits(compute_capability=80, sm_count=108, max_shared_per_block=163 * 1024)
+RTX4090 = DeviceLimits(compute_capability=89, sm_count=128, max_shared_per_block=99 * 1024)
+H100 = DeviceLimits(compute_capability=90, sm_count=132, max_shared_per_block=227 * 1024)
+T4 = DeviceLimits(compute_capability=75, sm_count=40, max_shared_per_block=64 * 1024)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One kernel launch: which instantiation, and how big."""
+
+    source: str  # file in cuda_src/
+    name: str  # C++ name expression, e.g. "flash_fwd<float, 64, 64, 64>"
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int  # dynamic shared memory
+
+    def __post_init__(self) -> None:
+        if min(self.grid) < 1 or self.grid[1] > 65535 or self.grid[2] > 65535:
+            raise ValueError(f"grid {self.grid} out of range for {self.name}")
+        if self.block[0] * self.block[1] * self.block[2] > 1024:
+            raise ValueError(f"block {self.block} has more than 1024 threads ({self.name})")

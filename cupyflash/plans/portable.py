@@ -1,0 +1,213 @@
+"""Launch geometry of the portable (SIMT) kernels: pure functions of shape and device limits.
+
+Tile choices (all arithmetic is float32 in shared memory, whatever the input dtype):
+
+- Threads form row groups of 16 lanes; a thread owns TM rows x (columns / 16) of every
+  product, so each shared-memory load feeds TM or TN FMAs from registers. TM = 8 with
+  64 x 64 tiles gives 12 float4 loads per 128 FMAs in S = Q K^T and 16 per 256 in P V.
+- The head dim is padded to a multiple of 32 from ``D_PADS`` (zero-filled on load), a few
+  instantiations instead of one per D. The O accumulator (TM x DP/16 floats per thread) sets
+  the register budget, so larger DP takes fewer rows per thread or smaller tiles.
+- Each table lists configurations fastest first; a plan takes the first whose shared
+  memory fits the device (the later entries exist for 64 KB parts such as the T4 and the
+  ~100 KB consumer parts). Every configuration compiles without spills (tests check it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .. import _dtypes
+from . import DeviceLimits, LaunchPlan, cdiv
+
+FORWARD_SOURCE = "portable_forward.cu"
+BACKWARD_SOURCE = "portable_backward.cu"
+D_PADS = (32, 64, 128, 256)
+MAX_GRID_YZ = 65535
+DqStrategy = Literal["atomic", "separate"]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """rows x cols of the S-like tile a block computes; TM rows per thread, LANES per row group."""
+
+    rows: int
+    cols: int
+    tm: int
+    lanes: int = 16
+
+    @property
+    def threads(self) -> int:
+        return self.rows // self.tm * self.lanes
+
+    def targs(self) -> str:
+        return f"{self.rows}, {self.cols}, {self.tm}, {self.lanes}"
+
+
+# Forward: rows = query rows Br, cols = key columns Bc.
+FORWARD_TILES: dict[int, tuple[Tile, ...]] = {
+    32: (Tile(64, 64, 4),),
+    64: (Tile(64, 64, 8),),
+    128: (Tile(64, 64, 8), Tile(64, 32, 8)),
+    256: (Tile(64, 32, 4), Tile(32, 16, 4)),
+}
+# dK/dV kernel: rows = keys Bc (kept on chip), cols = queries Br streamed through.
+KV_TILES: dict[int, tuple[Tile, ...]] = {
+    32: (Tile(64, 32, 8),),
+    64: (Tile(64, 32, 8), Tile(32, 32, 4)),
+    128: (Tile(64, 32, 4), Tile(32, 16, 2)),
+    256: (Tile(32, 32, 2), Tile(16, 8, 1, 8)),
+}
+# Separate-pass dQ kernel: rows = queries Br, cols = keys Bc.
+DQ_TILES: dict[int, tuple[Tile, ...]] = {
+    32: (Tile(64, 64, 4),),
+    64: (Tile(64, 64, 8), Tile(64, 32, 8)),
+    128: (Tile(64, 32, 8), Tile(32, 16, 4)),
+    256: (Tile(32, 32, 4), Tile(16, 8, 2, 8)),
+}
+
+
+def padded_d(d: int) -> int:
+    for dp in D_PADS:
+        if d <= dp:
+            return dp
+    raise ValueError(f"head dim {d} exceeds {D_PADS[-1]}")
+
+
+def _ld(width: int) -> int:
+    return width + 4  # shared row stride in floats (portable_tile.cuh ld_of)
+
+
+def forward_smem(dp: int, t: Tile) -> int:
+    return 4 * ((t.rows + t.cols) * _ld(dp) + t.rows * _ld(t.cols))  # Q_i, K_j/V_j, P
+
+
+def kv_smem(dp: int, t: Tile) -> int:
+    bc, br = t.rows, t.cols  # K_j, V_j, Q_i, dO_i, P^T, dS^T, lse2, Delta
+    return 4 * (2 * (bc + br) * _ld(dp) + 2 * bc * _ld(br) + 2 * br)
+
+
+def dq_smem(dp: int, t: Tile) -> int:
+    br, bc = t.rows, t.cols  # Q_i, dO_i, K_j, V_j, dS, lse2, Delta
+    return 4 * (2 * (br + bc) * _ld(dp) + br * _ld(bc) + 2 * br)
+
+
+def _pick(table: dict[int, tuple[Tile, ...]], smem, dp: int, limits: DeviceLimits) -> tuple[Tile, int]:
+    for t in table[dp]:
+        nbytes = smem(dp, t)
+        if nbytes <= limits.max_shared_per_block:
+            return t, nbytes
+    raise ValueError(f"no portable tile for D_pad={dp} fits {limits.max_shared_per_block} B of shared memory")
+
+
+def ctype(dtype) -> str:
+    return _dtypes.CTYPE[np.dtype(dtype)]
+
+
+def fwd_name(ct: str, dp: int, t: Tile) -> str:
+    return f"portable_fwd<{ct}, {dp}, {t.targs()}>"
+
+
+def kv_name(ct: str, dp: int, t: Tile) -> str:
+    return f"portable_bwd_kv<{ct}, {dp}, {t.targs()}>"
+
+
+def dq_name(ct: str, dp: int, t: Tile) -> str:
+    return f"portable_bwd_dq<{ct}, {dp}, {t.targs()}>"
+
+
+def delta_name(ct: str) -> str:
+    return f"portable_bwd_delta<{ct}>"
+
+
+def convert_name(ct: str) -> str:
+    return f"portable_bwd_dq_convert<{ct}>"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shape numbers a launch depends on (one 4-D (B, H, N, D) call)."""
+
+    b: int
+    hq: int
+    hk: int
+    nq: int
+    nk: int
+    d: int
+    dtype: np.dtype
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hk
+
+
+@dataclass(frozen=True)
+class PortableForwardPlan:
+    shape: Shape
+    d_pad: int
+    tile: Tile
+    launch: LaunchPlan
+
+    @property
+    def launches(self) -> tuple[LaunchPlan, ...]:
+        return (self.launch,)
+
+
+def forward_plan(s: Shape, limits: DeviceLimits) -> PortableForwardPlan:
+    dp = padded_d(s.d)
+    t, smem = _pick(FORWARD_TILES, forward_smem, dp, limits)
+    lp = LaunchPlan(FORWARD_SOURCE, fwd_name(ctype(s.dtype), dp, t), (cdiv(s.nq, t.rows), s.hq, s.b), (t.threads, 1, 1), smem)
+    return PortableForwardPlan(s, dp, t, lp)
+
+
+DELTA_THREADS = 256  # 8 warps, one query row each
+CONVERT_THREADS = 256
+
+
+@dataclass(frozen=True)
+class PortableBackwardPlan:
+    """Delta, then dK/dV (with dQ atomics or followed by the dQ pass), then the dQ conversion."""
+
+    shape: Shape
+    d_pad: int
+    dq_strategy: DqStrategy
+    delta: LaunchPlan
+    kv: LaunchPlan
+    dq: LaunchPlan  # portable_bwd_dq (separate) or portable_bwd_dq_convert (atomic)
+
+    @property
+    def launches(self) -> tuple[LaunchPlan, ...]:
+        return (self.delta, self.kv, self.dq)
+
+
+def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "atomic") -> PortableBackwardPlan:
+    if dq_strategy not in ("atomic", "separate"):
+        raise ValueError(f"dq_strategy must be 'atomic' or 'separate'; got {dq_strategy!r}")
+    ct, dp = ctype(s.dtype), padded_d(s.d)
+    rows = s.b * s.hq * s.nq
+    delta = LaunchPlan(BACKWARD_SOURCE, delta_name(ct), (cdiv(rows, DELTA_THREADS // 32), 1, 1), (DELTA_THREADS, 1, 1), 0)
+    kt, kv_bytes = _pick(KV_TILES, kv_smem, dp, limits)
+    kv = LaunchPlan(BACKWARD_SOURCE, kv_name(ct, dp, kt), (cdiv(s.nk, kt.rows), s.hk, s.b), (kt.threads, 1, 1), kv_bytes)
+    if dq_strategy == "separate":
+        qt, dq_bytes = _pick(DQ_TILES, dq_smem, dp, limits)
+        dq = LaunchPlan(BACKWARD_SOURCE, dq_name(ct, dp, qt), (cdiv(s.nq, qt.rows), s.hq, s.b), (qt.threads, 1, 1), dq_bytes)
+    else:
+        # Grid-stride loop: enough blocks to fill the device, no more.
+        blocks = max(1, min(cdiv(rows * s.d, CONVERT_THREADS), 32 * limits.sm_count))
+        dq = LaunchPlan(BACKWARD_SOURCE, convert_name(ct), (blocks, 1, 1), (CONVERT_THREADS, 1, 1), 0)
+    return PortableBackwardPlan(s, dp, dq_strategy, delta, kv, dq)
+
+
+def instantiations() -> list[tuple[str, str]]:
+    """Every (source, name expression) the portable family can launch."""
+    out: list[tuple[str, str]] = []
+    for dtype in _dtypes.SUPPORTED:
+        ct = ctype(dtype)
+        for dp in D_PADS:
+            out += [(FORWARD_SOURCE, fwd_name(ct, dp, t)) for t in FORWARD_TILES[dp]]
+            out += [(BACKWARD_SOURCE, kv_name(ct, dp, t)) for t in KV_TILES[dp]]
+            out += [(BACKWARD_SOURCE, dq_name(ct, dp, t)) for t in DQ_TILES[dp]]
+        out += [(BACKWARD_SOURCE, delta_name(ct)), (BACKWARD_SOURCE, convert_name(ct))]
+    return out

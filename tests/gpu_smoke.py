@@ -1,0 +1,57 @@
+"""Run every kernel once on small odd shapes; meant for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  python tests/gpu_smoke.py
+    compute-sanitizer --tool racecheck python tests/gpu_smoke.py
+    compute-sanitizer --tool initcheck python tests/gpu_smoke.py
+
+Not collected by pytest (no test_ prefix). Exits non-zero if any result is non-finite.
+"""
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+
+import cupyflash
+from cupyflash import _dtypes
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    bad = 0
+    cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", _dtypes.FLOAT16), ("mma", _dtypes.BFLOAT16)]
+    for kernel, dtype in cases:
+        for (hq, hk, nq, nk, d, causal) in [(2, 1, 17, 33, 40, True), (2, 2, 33, 17, 64, True), (1, 1, 70, 70, 128, False)]:
+            q = cupy.asarray(rng.standard_normal((1, hq, nq, d)).astype(dtype))
+            k = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
+            v = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
+            do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
+            o, lse = cupyflash.attention_forward(q, k, v, causal=causal, kernel=kernel)
+            grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel)
+            finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
+            print(f"{kernel:8s} {str(dtype):8s} hq={hq} hk={hk} nq={nq} nk={nk} d={d} causal={causal}: "
+                  f"{'ok' if finite else 'NON-FINITE'}")
+            bad += not finite
+    try:
+        from cupyflash import linear_attention_backward, linear_attention_forward
+    except ImportError:
+        linear_attention_forward = None
+    if linear_attention_forward is not None:
+        for dtype in _dtypes.SUPPORTED:
+            for mask in (None, "mask"):
+                q = cupy.asarray(rng.standard_normal((1, 2, 37, 32)).astype(dtype))
+                k = cupy.asarray(rng.standard_normal((1, 1, 37, 32)).astype(dtype))
+                v = cupy.asarray(rng.standard_normal((1, 1, 37, 32)).astype(dtype))
+                m = None if mask is None else cupy.asarray(rng.random((37, 37)))
+                o = linear_attention_forward(q, k, v, causal=True, mask=m)
+                grads = linear_attention_backward(cupy.ones_like(o) * 0.5, q, k, v, causal=True, mask=m)
+                finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
+                print(f"linear   {str(dtype):8s} mask={mask}: {'ok' if finite else 'NON-FINITE'}")
+                bad += not finite
+    cupy.cuda.Device().synchronize()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
