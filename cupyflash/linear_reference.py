@@ -18,7 +18,9 @@ from .linear_api import LinearProblem, check_linear, check_linear_backward
 
 
 def _f64(x: Any) -> np.ndarray:
-    return np.asarray(x).astype(np.float64)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"the linear-attention reference takes NumPy arrays; got {type(x).__name__}")
+    return x.astype(np.float64)
 
 
 def _kv(x: Any, p: LinearProblem) -> np.ndarray:

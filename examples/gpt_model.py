@@ -157,6 +157,10 @@ class FlashAttention:
     name = "flash"
 
     def __init__(self, dtype: Any = None, kernel: str = "auto") -> None:
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            import ml_dtypes  # NumPy has no bfloat16; ml_dtypes' is the one CuPy understands
+
+            dtype = ml_dtypes.bfloat16
         self.dtype = None if dtype is None else np.dtype(dtype)
         self.kernel = kernel
 
@@ -202,13 +206,22 @@ class NaiveAttention:
 
     name = "naive"
 
+    def __init__(self) -> None:
+        self._mask: dict[tuple[Any, int, str], Array] = {}
+
+    def causal_bias(self, xp: Any, T: int, dtype: Any) -> Array:
+        """(T, T): 0 where key j <= query i, -inf above the diagonal; made once per shape."""
+        key = (xp, T, np.dtype(dtype).str)
+        if key not in self._mask:
+            self._mask[key] = xp.asarray(np.triu(np.full((T, T), -np.inf), k=1).astype(dtype))
+        return self._mask[key]
+
     def forward(self, q: Array, k: Array, v: Array) -> tuple[Array, Any]:
         xp = get_xp(q)
         T, D = q.shape[-2], q.shape[-1]
         scale = 1.0 / math.sqrt(D)
         S = (q @ k.swapaxes(-1, -2)) * scale
-        future = xp.triu(xp.ones((T, T), dtype=bool), k=1)  # key j > query i
-        S += xp.where(future, -xp.inf, 0.0).astype(S.dtype)  # in place: no second T x T array
+        S += self.causal_bias(xp, T, S.dtype)  # in place: no second T x T array per head
         S -= S.max(axis=-1, keepdims=True)
         P = xp.exp(S, out=S)  # reuse S's memory: only P is kept
         P /= P.sum(axis=-1, keepdims=True)

@@ -184,8 +184,8 @@ BACKWARD_BAD = {
                 r"do must be a numpy\.ndarray or cupy\.ndarray, got list"),
     "o-shape": ("o", arr((2, 4, 7, 16)), ValueError,
                 r"o must have q's shape \(2, 4, 8, 16\); got \(2, 4, 7, 16\)"),
-    "o-dtype": ("o", arr((2, 4, 8, 16), np.float64), TypeError,
-                r"o\.dtype must equal q\.dtype \(float32\); got float64"),
+    "o-dtype": ("o", arr((2, 4, 8, 16), np.float16), TypeError,
+                r"o\.dtype must equal q\.dtype \(float32\); got float16"),
     "lse-dtype16": ("lse", arr((2, 4, 8), np.float16), TypeError, r"lse\.dtype must be float32; got float16"),
     "lse-shape": ("lse", arr((2, 4, 8, 1)), ValueError,
                   r"lse must have shape \(2, 4, 8\) \(q's shape without D\); got \(2, 4, 8, 1\)"),
@@ -256,3 +256,12 @@ def test_nothing_runs_fixture_is_armed(nothing_runs):
     o, lse = np.zeros_like(q), np.zeros(q.shape[:-1], F32)
     with pytest.raises(AssertionError, match="computation started"):
         cupyflash.attention_backward(q, q, k, v, o, lse)
+
+
+def test_public_backward_rejects_float64_o_that_the_reference_takes():
+    args = _backward_args()
+    args["o"] = args["o"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"o\.dtype must equal q\.dtype \(float32\); got float64"):
+        cupyflash.attention_backward(**args)
+    dq, dk, dv = reference.attention_backward(**args)  # exact o and dO are what the reference wants
+    assert dq.dtype == np.float64 and np.all(np.isfinite(dq))
