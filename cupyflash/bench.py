@@ -219,15 +219,19 @@ class Record:
         out = asdict(self)
         out["pass"] = out.pop("pass_")
         env = out.pop("env")
-        out.update(env)  # flat records: device, versions and date on every line
+        for key in ENV_KEYS:  # flat records: device, versions and date on every line
+            out[key] = env.get(key)
         return out
 
+
+#: What ``environment()`` says about the run, copied into every record.
+ENV_KEYS = ("device", "compute_capability", "versions", "date")
 
 #: Keys every JSON record has (tests check the schema against this).
 JSON_KEYS = (
     "kind", "workload", "b", "h", "n", "d", "causal", "dtype", "pass", "impl", "status",
     "median_ms", "tflops", "flops", "runs", "sets", "flushed", "note", "peak_bytes",
-    "device", "versions", "date",
+    *ENV_KEYS,
 )  # fmt: skip
 
 
@@ -321,11 +325,14 @@ def plot(records: Sequence[Record], path: str) -> None:
     ncols = min(4, len(series))
     nrows = math.ceil(len(series) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
-    for ax, (key, by_impl) in zip(axes.flat, sorted(series.items(), key=lambda kv: str(kv[0]))):
+    order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2}
+    panels = sorted(series.items(), key=lambda kv: (*kv[0][:4], order.get(kv[0][4], 9)))
+    for ax, (key, by_impl) in zip(axes.flat, panels):
         workload, dtype, d, causal, pass_ = key
         for impl, pts in by_impl.items():
             ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=impl)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{workload} {dtype} D={d} {'causal' if causal else 'full'} {pass_}", fontsize=9)
         ax.set_xlabel("N")
         ax.set_ylabel("TFLOP/s")
@@ -426,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=30, help="timed runs per measurement at most (default 30)")
     p.add_argument("--min-runs", type=int, default=5, help="timed runs at least (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    p.add_argument("--max-seconds", type=float, default=1.0, help="time cap per measurement (default 1.0)")
+    p.add_argument("--max-seconds", type=float, default=0.5, help="time cap per measurement (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="FILE", default=None, help="write every record as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="plot TFLOP/s against N (needs matplotlib)")
@@ -509,7 +516,7 @@ def filter_shapes(
 
 
 def expand_compare(text: str | None, mode: str, has_torch: bool) -> tuple[str, ...]:
-    names = _csv(text) if text else (["naive", "torch"] if has_torch else ["naive"])
+    names = _csv(text) if text else (["naive", "torch"] if has_torch and mode == "softmax" else ["naive"])
     out: list[str] = []
     for name in names:
         if name == "none":
@@ -548,6 +555,8 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
     for k in kernels:
         if k not in KERNEL_CHOICES:
             parser.error(f"--kernels: {k!r} is not one of {KERNEL_CHOICES}")
+    if a.mode == "linear" and kernels != ("auto",):
+        parser.error("--kernel/--kernels choose softmax kernel families; linear attention has its own")
     if a.runs < 1 or a.min_runs < 1 or a.warmup < 0 or a.max_seconds <= 0 or a.naive_budget_gb < 0:
         parser.error("--runs/--min-runs must be >= 1, --warmup >= 0, --max-seconds > 0, --naive-budget-gb >= 0")
     shapes = filter_shapes(suite_shapes(suites, a.mode), a.dtype, a.d, a.n, a.causal)
@@ -590,6 +599,12 @@ WORKLOAD_FLOPS: dict[str, Callable[..., float]] = {"softmax": attention_flops, "
 
 class Unavailable(Exception):
     """An implementation does not run this case (shown as n/a, with the reason)."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an exception's message, for a table note."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:limit] if lines else ""
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -751,7 +766,7 @@ def naive_attention_forward(q: Any, k: Any, v: Any, causal: bool, scale: float, 
         bias = cupy.triu(cupy.full((n, n), -cupy.inf, dtype=cupy.float32), k=1)  # -inf where j > i
     for s in range(0, b * h, chunk):
         e = min(b * h, s + chunk)
-        S = cupy.matmul(q3[s:e], k3[s:e].transpose(0, 2, 1)).astype(cupy.float32)
+        S = cupy.matmul(q3[s:e], k3[s:e].transpose(0, 2, 1)).astype(cupy.float32, copy=False)
         S *= cupy.float32(scale)
         if bias is not None:
             S += bias
@@ -797,24 +812,28 @@ def sdpa_impl(backend: str) -> Impl:
                 yield
 
         c = shape.causal
-        tensors = [(to_torch(s.q), to_torch(s.k), to_torch(s.v), to_torch(s.do)) for s in sets]
+        # Leaves that require grad, as in training: the forward then also keeps what its
+        # backward needs (as cupyflash's forward always returns lse), and the backward can run.
+        leaves = [[to_torch(x).detach().requires_grad_() for x in (s.q, s.k, s.v)] for s in sets]
+        grads_out = [to_torch(s.do) for s in sets]
         with context():
             try:
-                F.scaled_dot_product_attention(*tensors[0][:3], is_causal=c)
+                F.scaled_dot_product_attention(*leaves[0], is_causal=c)
             except (RuntimeError, NotImplementedError, ValueError) as e:
-                raise Unavailable(f"{backend} refuses this case: {str(e).splitlines()[0][:160]}") from e
+                raise Unavailable(f"{backend} refuses this case: {first_line(e)}") from e
             if pass_ == "fwd":
-                return Prepared(lambda i: F.scaled_dot_product_attention(*tensors[i][:3], is_causal=c), "torch", context)
-            graphs = []
-            for q, k, v, do in tensors:  # forward outside the timed region; leaves share CuPy's memory
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                graphs.append((leaves, F.scaled_dot_product_attention(*leaves, is_causal=c), do))
+
+                def fwd(i: int) -> Any:
+                    return F.scaled_dot_product_attention(*leaves[i], is_causal=c)
+
+                return Prepared(fwd, "torch", context)
+            # Backward alone: each set's forward runs once here, outside the timed region.
+            outs = [F.scaled_dot_product_attention(*qkv, is_causal=c) for qkv in leaves]
 
         def bwd(i: int) -> None:
-            leaves, out, do = graphs[i]
-            for x in leaves:
+            for x in leaves[i]:
                 x.grad = None  # a fresh gradient each call, no accumulation kernel
-            out.backward(do, retain_graph=True)
+            outs[i].backward(grads_out[i], retain_graph=True)
 
         torch.cuda.synchronize()
         return Prepared(bwd, "torch", context)
@@ -1039,12 +1058,22 @@ def run(opts: Options) -> list[Record]:
                 step += 1
                 rec = run_one(shape, pass_, name, prepare, sets, plan, flops, opts, env)
                 records.append(rec)
-                what = (f"{rec.median_ms:.3f} ms {rec.tflops:.1f} TFLOP/s ({rec.runs} runs, {rec.sets} sets"
-                        f"{', L2 flushed' if rec.flushed else ''})") if rec.status == "ok" else f"{rec.status}: {rec.note}"
+                if rec.status == "ok":
+                    what = (f"{rec.median_ms:.3f} ms {rec.tflops:.1f} TFLOP/s ({rec.runs} runs, {rec.sets} sets"
+                            f"{', L2 flushed' if rec.flushed else ''})")
+                else:
+                    what = f"{rec.status}: {rec.note}"
                 progress(f"[{step}/{total}] {shape.label} {pass_} {name}: {what}")
         del sets
         free_device_memory()
+        if opts.json:  # after every shape, so a run cut short still leaves its results
+            write_json(records, opts.json)
     return records
+
+
+def write_json(records: Sequence[Record], path: str) -> None:
+    with open(path, "w") as f:
+        f.write(records_to_json(records) + "\n")
 
 
 def run_one(
@@ -1079,8 +1108,7 @@ def run_one(
     except Unavailable as e:
         return Record(status="n/a", note=str(e), **base)  # type: ignore[arg-type]
     except Exception as e:  # an OOM or a refusal we did not foresee: report it, keep going
-        return Record(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                      **base)  # type: ignore[arg-type]
+        return Record(status="error", note=f"{type(e).__name__}: {first_line(e)}", **base)  # type: ignore[arg-type]
     finally:
         del prepared
         cupy.cuda.Device().synchronize()
@@ -1106,8 +1134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if notes:
         print("\n" + notes)
     if opts.json:
-        with open(opts.json, "w") as f:
-            f.write(records_to_json(records) + "\n")
+        write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")
     if opts.plot:
         plot(records, opts.plot)

@@ -1,0 +1,386 @@
+"""The benchmark CLI's pure pieces (arguments, shapes, FLOPs, timing plans, table, JSON) on the
+CPU; the GPU runs of ``python -m cupyflash.bench`` skip without a device."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import HAS_GPU, requires_gpu
+
+from cupyflash import _timing, bench
+from cupyflash.bench import Record, Shape
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def test_help_runs_without_a_gpu():
+    out = subprocess.run([sys.executable, "-m", "cupyflash.bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--suite", "--dtype", "--causal", "--kernel", "--kernels", "--compare", "--json", "--plot", "--mode"):
+        assert flag in out.stdout
+
+
+def test_defaults_are_grid_and_fp32():
+    o = bench.parse_args([], has_torch=False)
+    assert o.suites == ("grid", "fp32")
+    assert len(o.shapes) == 48 + 5
+    assert o.passes == ("fwd", "bwd")
+    assert o.kernels == ("auto",)
+    assert o.compare == ("naive",)
+    assert o.impls == ("cupyflash", "naive") and o.primary == "cupyflash"
+
+
+def test_default_compare_adds_every_sdpa_backend_when_torch_is_there():
+    o = bench.parse_args([], has_torch=True)
+    assert o.compare == ("naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+    o = bench.parse_args(["--compare", "sdpa-cudnn"], has_torch=True)
+    assert o.compare == ("sdpa-cudnn",)
+    assert bench.parse_args(["--compare", "none"], has_torch=True).compare == ()
+
+
+def test_all_is_grid_fp32_long():
+    o = bench.parse_args(["--suite", "all"], has_torch=False)
+    assert o.suites == ("grid", "fp32", "long")
+    assert o.shapes[-1] == Shape(1, 8, 131072, 128, True, "bfloat16", check_memory=True)
+
+
+def test_filters_pick_one_grid_shape():
+    argv = ["--suite", "grid", "--dtype", "bf16", "--d", "128", "--n", "2048", "--causal", "1"]
+    o = bench.parse_args(argv, has_torch=False)
+    assert o.shapes == (Shape(8, 16, 2048, 128, True, "bfloat16"),)
+
+
+def test_several_kernel_families_side_by_side():
+    o = bench.parse_args(["--kernels", "mma,portable", "--compare", "none"], has_torch=False)
+    assert o.impls == ("cupyflash[mma]", "cupyflash[portable]")
+    assert o.primary == "cupyflash[mma]"
+    assert bench.parse_args(["--kernel", "portable"], has_torch=False).impls[0] == "cupyflash[portable]"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--suite", "nope"],
+        ["--mode", "linear", "--suite", "grid"],
+        ["--compare", "torch"],  # torch absent
+        ["--compare", "tensorflow"],
+        ["--dtype", "fp64"],
+        ["--d", "64,x"],
+        ["--kernels", "mma,wgmma"],
+        ["--passes", "fwd+bwd"],
+        ["--n", "3"],  # filters leave nothing
+        ["--runs", "0"],
+    ],
+)
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv, has_torch=False)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_linear_mode_shapes_and_passes():
+    o = bench.parse_args(["--mode", "linear"], has_torch=True)
+    assert o.passes == ("fwd", "fwd+bwd")
+    assert o.compare == ("naive-linear",)
+    assert o.impls[0] == "cupyflash-linear"
+    assert {(s.b, s.h, s.n, s.d) for s in o.shapes} == {(4, 16, 8192, 64), (4, 16, 8192, 128), (1, 16, 32768, 64)}
+    assert all(s.causal for s in o.shapes)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mode", "linear", "--compare", "torch"], has_torch=True)
+
+
+def test_list_prints_the_plan_without_a_gpu(capsys):
+    assert bench.main(["--list", "--suite", "quick", "--compare", "none"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fwd ") == out.count("bwd ") == len(bench.quick_shapes())
+    assert "float16 B=2 H=4 N=256 D=64 full" in out
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message a CPU-only machine gets")
+def test_a_run_without_gpu_says_so():
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--suite", "quick", "--compare", "none"])
+    assert "needs a CUDA GPU" in str(e.value)
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def test_grid_matches_design():
+    shapes = bench.grid_shapes()
+    assert len(shapes) == 6 * 2 * 2 * 2
+    assert all(s.b * s.n == 16384 and s.h * s.d == 2048 for s in shapes)
+    assert sorted({s.n for s in shapes}) == [512, 1024, 2048, 4096, 8192, 16384]
+    assert {s.dtype for s in shapes} == {"bfloat16", "float16"}
+    assert {(s.d, s.causal) for s in shapes} == {(64, False), (64, True), (128, False), (128, True)}
+    assert len(set(shapes)) == len(shapes)
+
+
+def test_fp32_suite_has_the_llmc_shapes():
+    shapes = bench.fp32_shapes()
+    assert all(s.dtype == "float32" for s in shapes)
+    assert [(s.b, s.h, s.n, s.d, s.causal) for s in shapes if s.d == 64] == [
+        (4, 12, 1024, 64, True), (4, 12, 2048, 64, True), (4, 12, 4096, 64, True)
+    ]  # fmt: skip
+    assert {s.causal for s in shapes if s.d == 128 and s.n == 4096 and s.h == 16} == {False, True}
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+
+def _visible_pairs(nq: int, nk: int) -> int:
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    return int((j <= i + (nk - nq)).sum())
+
+
+def test_forward_flops_formula():
+    # B=8, H=16, N=2048, D=128: 4 * 8 * 16 * 2048^2 * 128 = 274.9 GFLOP
+    assert bench.attention_flops(8, 16, 2048, 2048, 128, False, "fwd") == 4 * 8 * 16 * 2048 * 2048 * 128
+    assert bench.attention_flops(8, 16, 2048, 2048, 128, True, "fwd") == 2 * 8 * 16 * 2048 * 2048 * 128
+    assert bench.attention_flops(1, 1, 3, 5, 7, False, "bwd") == 2.5 * 4 * 3 * 5 * 7
+    assert bench.attention_flops(1, 1, 3, 5, 7, False, "fwd+bwd") == 3.5 * 4 * 3 * 5 * 7
+
+
+@pytest.mark.parametrize("nq,nk", [(2, 4), (5, 3), (1, 9), (7, 7)])
+def test_causal_flops_count_visible_pairs_when_lengths_differ(nq, nk):
+    flops = bench.attention_flops(2, 3, nq, nk, 8, True, "fwd")
+    if nq == nk:
+        assert flops == 4 * 2 * 3 * nq * nk * 8 / 2  # the papers' convention, not N(N+1)/2
+    else:
+        assert math.isclose(flops, 4 * 2 * 3 * 8 * _visible_pairs(nq, nk))
+
+
+def test_linear_flops_and_bad_pass():
+    fwd = bench.linear_flops(4, 16, 8192, 8192, 64, True, "fwd")
+    assert fwd == bench.attention_flops(4, 16, 8192, 8192, 64, True, "fwd")
+    assert bench.linear_flops(4, 16, 8192, 8192, 64, True, "fwd+bwd") == 3 * fwd
+    with pytest.raises(ValueError):
+        bench.attention_flops(1, 1, 1, 1, 1, False, "backward")
+
+
+# ---------------------------------------------------------------------------- memory arithmetic
+
+
+def test_long_context_naive_scores_are_256_gib():
+    (long,) = bench.long_shapes()
+    assert bench.naive_scores_bytes(long) == 8 * 131072**2 * 2 == 256 * 2**30
+    assert bench.linear_memory_bound(long) == 16 * 131072 * 8 * 128 * 2  # 4 GiB
+    assert bench.fmt_bytes(256 * 2**30) == "256.0 GiB"
+
+
+def test_naive_heads_per_chunk():
+    head = bench.naive_softmax_head_bytes(16384, 2)  # 3 GiB per head
+    assert head == 16384**2 * 12
+    assert bench.heads_per_chunk(head, 0, 8 * 2**30) == 2
+    assert bench.heads_per_chunk(head, 16384**2 * 4, 4 * 2**30) == 1  # mask + one head: exactly 4 GiB
+    assert bench.heads_per_chunk(head, 16384**2 * 4, 4 * 2**30 - 1) == 0
+    assert bench.heads_per_chunk(10, 0, 95) == 9
+    assert bench.heads_per_chunk(10, 100, 50) == 0
+    assert bench.naive_linear_head_bytes(8, 2, True) == 2 * bench.naive_linear_head_bytes(8, 2, False)
+
+
+# ---------------------------------------------------------------------------- timing plans
+
+L2 = 50 * 2**20
+
+
+def test_cache_plan_rotates_small_sets_and_flushes_tiny_ones():
+    assert _timing.plan_cache_defeat(256 * 2**20, L2) == _timing.CachePlan(1, 0)  # evicts itself
+    assert _timing.plan_cache_defeat(2 * L2, L2) == _timing.CachePlan(1, 0)
+    p = _timing.plan_cache_defeat(50 * 2**20, L2)  # the llm.c N=1024 fp32 case
+    assert p == _timing.CachePlan(3, 0)
+    assert (p.sets - 1) * 50 * 2**20 >= 2 * L2  # the others push a set out between its uses
+    assert _timing.plan_cache_defeat(2**20, L2) == _timing.CachePlan(1, 2 * L2)
+    assert _timing.plan_cache_defeat(30 * 2**20, L2, max_sets=4) == _timing.CachePlan(1, 2 * L2)
+    with pytest.raises(ValueError):
+        _timing.plan_cache_defeat(0, L2)
+
+
+def test_run_and_warmup_counts():
+    assert _timing.plan_runs(0.1, runs=30, min_runs=5, max_seconds=1.0) == 30
+    assert _timing.plan_runs(100.0, runs=30, min_runs=5, max_seconds=1.0) == 10
+    assert _timing.plan_runs(5000.0, runs=30, min_runs=5, max_seconds=1.0) == 5
+    assert _timing.plan_runs(5000.0, runs=3, min_runs=5, max_seconds=1.0) == 3
+    assert _timing.plan_warmup(0.1, warmup=3, sets=1, max_seconds=1.0) == 3
+    assert _timing.plan_warmup(2000.0, warmup=3, sets=1, max_seconds=1.0) == 1
+    assert _timing.plan_warmup(2000.0, warmup=3, sets=4, max_seconds=1.0) == 4  # touch every set
+    assert _timing.median_ms([3.0, 1.0, 2.0, 100.0]) == 2.5
+    assert math.isclose(_timing.tflops(1e12, 1000.0), 1.0)
+
+
+class FakeClock:
+    """Events that read a fake time advanced by the calls; records what happened in order."""
+
+    def __init__(self, ms_per_call: float):
+        self.now = 0.0
+        self.ms_per_call = ms_per_call
+        self.log: list[str] = []
+
+    def event(self):
+        return {"t": None}
+
+    def record(self, ev):
+        ev["t"] = self.now
+        self.log.append("rec")
+
+    def elapsed_ms(self, a, b):
+        return b["t"] - a["t"]
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def flusher(self, nbytes):
+        def flush():
+            self.log.append("flush")
+
+        return flush
+
+    def call(self, i):
+        self.now += self.ms_per_call * (1 + i)  # set i takes (1 + i) units: the median shows mixing
+        self.log.append(f"call{i}")
+
+
+def test_measure_rotates_sets_and_never_repeats_one_back_to_back():
+    clock = FakeClock(ms_per_call=1.0)
+    t = _timing.measure(clock.call, clock, plan=_timing.CachePlan(3, 0), warmup=3, runs=9, min_runs=2)
+    calls = [int(x[4:]) for x in clock.log if x.startswith("call")]
+    assert all(a != b for a, b in zip(calls, calls[1:]))
+    assert t.runs == 9 and t.sets == 3 and not t.flushed
+    assert sorted(t.times_ms) == [1.0] * 3 + [2.0] * 3 + [3.0] * 3
+    assert t.median_ms == 2.0
+    assert "flush" not in clock.log
+
+
+def test_measure_flushes_before_each_timed_call_and_caps_runs_by_time():
+    clock = FakeClock(ms_per_call=400.0)
+    t = _timing.measure(clock.call, clock, plan=_timing.CachePlan(1, 1234), runs=30, min_runs=2, max_seconds=1.0)
+    assert t.runs == 2 and t.flushed  # 400 ms per call: 2 fit the 1 s cap (min_runs 2)
+    log = clock.log
+    # Every timed call (the estimate and the runs) is flush, start event, call, end event:
+    # the flush stays outside the events.
+    flushes = [i for i, x in enumerate(log) if x == "flush"]
+    assert len(flushes) == 1 + t.runs
+    assert all(log[i + 1] == "rec" and log[i + 2].startswith("call") and log[i + 3] == "rec" for i in flushes)
+    assert all(x == 400.0 for x in t.times_ms)
+
+
+# ---------------------------------------------------------------------------- table and JSON
+
+ENV = {"device": "NVIDIA H100 80GB HBM3", "versions": {"cupy": "14.2.0"}, "date": "2026-11-22T00:00:00+00:00"}
+
+
+def _rec(impl, tflops, pass_="fwd", n=2048, status="ok", note="", dtype="bfloat16"):
+    flops = bench.attention_flops(8, 16, n, n, 128, False, pass_)
+    ms = flops / (tflops * 1e12) * 1e3 if status == "ok" else None
+    return Record("softmax", 16384 // n, 16, n, 128, False, dtype, pass_, impl, status, median_ms=ms,
+                  tflops=tflops if status == "ok" else None, flops=flops, runs=30, sets=1, note=note, env=ENV)
+
+
+def _records():
+    return [
+        _rec("cupyflash", 300.0),
+        _rec("naive", 10.0),
+        _rec("sdpa-flash", 150.0),
+        _rec("sdpa-cudnn", 0, status="n/a", note="refuses"),
+        _rec("cupyflash", 200.0, pass_="bwd"),
+        _rec("naive", 0, pass_="bwd", status="n/a", note="naive is benchmarked forward only"),
+        _rec("sdpa-flash", 250.0, pass_="bwd"),
+        _rec("sdpa-cudnn", 400.0, pass_="bwd"),
+        _rec("cupyflash", 310.0, n=4096),
+        _rec("sdpa-flash", 0, n=4096, status="error", note="OutOfMemoryError"),
+    ]
+
+
+def test_table_has_ratios_and_na_cells():
+    impls = ("cupyflash", "naive", "sdpa-flash", "sdpa-cudnn")
+    table = bench.format_table(_records(), impls, "cupyflash")
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3  # header, alignment row, three (shape, pass) rows
+    assert "cupyflash TFLOP/s" in lines[0] and "vs sdpa-cudnn" in lines[0]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:7] == ["8", "16", "2048", "128", "no", "bfloat16", "fwd"]
+    assert cells[8:] == ["300.0", "10.0", "30.00x", "150.0", "2.00x", "n/a", "-"]
+    bwd = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert bwd[8:] == ["200.0", "n/a", "-", "250.0", "0.80x", "400.0", "0.50x"]
+    n4096 = [c.strip() for c in lines[4].strip("|").split("|")]
+    assert n4096[-4:] == ["error", "-", "-", "-"]
+    assert len({len(line) for line in lines}) == 1  # aligned columns
+    notes = bench.format_notes(_records())
+    assert "naive is benchmarked forward only" in notes and "OutOfMemoryError" in notes
+
+
+def test_json_records_carry_shape_timing_device_versions_and_date(tmp_path):
+    data = json.loads(bench.records_to_json(_records()))
+    assert isinstance(data, list) and len(data) == len(_records())
+    for r in data:
+        assert set(r) == set(bench.JSON_KEYS)
+    first = data[0]
+    assert first["pass"] == "fwd" and first["impl"] == "cupyflash" and first["kind"] == "timing"
+    assert first["device"] == ENV["device"] and first["versions"]["cupy"] == "14.2.0" and first["date"]
+    assert math.isclose(first["flops"] / (first["median_ms"] * 1e-3) / 1e12, first["tflops"])
+
+
+def test_plot_series_groups_by_config_and_sorts_by_n():
+    recs = [_rec("cupyflash", 310.0, n=4096), _rec("cupyflash", 300.0, n=2048), _rec("naive", 10.0)]
+    recs.append(_rec("cupyflash", 0, n=8192, status="n/a"))
+    series = bench.plot_series(recs)
+    assert list(series) == [("softmax", "bfloat16", 128, False, "fwd")]
+    assert series[("softmax", "bfloat16", 128, False, "fwd")]["cupyflash"] == [(2048, 300.0), (4096, 310.0)]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    bench.plot(_records(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@requires_gpu
+def test_naive_attention_matches_the_reference(rng):
+    import cupy
+
+    from cupyflash import reference
+
+    for causal in (False, True):
+        q, k, v = (rng.standard_normal((2, 3, 67, 32)).astype(np.float32) for _ in range(3))
+        want, _ = reference.attention_forward(q, k, v, causal=causal)
+        got = bench.naive_attention_forward(*(cupy.asarray(x) for x in (q, k, v)), causal, 32**-0.5, chunk=4)
+        assert np.linalg.norm(cupy.asnumpy(got) - want) / np.linalg.norm(want) < 1e-5
+
+
+@requires_gpu
+def test_naive_linear_gradients_match_finite_masked_products(rng):
+    import cupy
+
+    q, k, v, do = (rng.standard_normal((1, 2, 33, 16)) for _ in range(4))
+    m = np.tril(np.ones((33, 33)))
+    a = (q @ k.swapaxes(-1, -2)) * m
+    da = (do @ v.swapaxes(-1, -2)) * m
+    want = (a @ v, da @ k, da.swapaxes(-1, -2) @ q, a.swapaxes(-1, -2) @ do)
+    o, (dq, dk, dv) = bench.naive_linear(*(cupy.asarray(x.astype(np.float32)) for x in (q, k, v, do)), chunk=1)
+    for got, ref in zip((o, dq, dk, dv), want):
+        got = cupy.asnumpy(got).reshape(ref.shape)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@requires_gpu
+def test_quick_suite_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "quick.json"
+    code = bench.main(["--suite", "quick", "--compare", "naive", "--runs", "3", "--min-runs", "2",
+                       "--max-seconds", "0.2", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "cupyflash TFLOP/s" in table
+    data = json.loads(out.read_text())
+    ok = [r for r in data if r["impl"] == "cupyflash" and r["status"] == "ok"]
+    assert len(ok) == 2 * len(bench.quick_shapes())
+    assert all(r["tflops"] > 0 and r["median_ms"] > 0 for r in ok)
