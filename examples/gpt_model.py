@@ -220,7 +220,8 @@ class NaiveAttention:
         xp = get_xp(q)
         T, D = q.shape[-2], q.shape[-1]
         scale = 1.0 / math.sqrt(D)
-        S = (q @ k.swapaxes(-1, -2)) * scale
+        S = q @ k.swapaxes(-1, -2)
+        S *= scale
         S += self.causal_bias(xp, T, S.dtype)  # in place: no second T x T array per head
         S -= S.max(axis=-1, keepdims=True)
         P = xp.exp(S, out=S)  # reuse S's memory: only P is kept

