@@ -55,8 +55,8 @@ portable_bwd_dq_convert(const float* __restrict__ dq_acc, T* __restrict__ dq,
     }
 }
 
-// P^T or P and dS for one S-like micro-tile. Rows/columns are (key, query) in the kv kernel
-// and (query, key) in the dq kernel; `key_of`/`row_of` give the global indices.
+// Which (key, query row) pairs of a tile the mask hides; `masked` is false for interior tiles,
+// so they skip the per-element test.
 struct MaskInfo {
     bool masked;  // does this tile cross the diagonal or an edge?
     int causal, nk, off;
@@ -71,7 +71,7 @@ struct MaskInfo {
 // queries (TN = BR / LANES per thread). The optional dQ partial product regroups the same
 // threads over the BR query rows (TMQ rows per thread, LANESQ lanes per row).
 template <typename T, int DP, int BC, int BR, int TM, int LANES>
-__global__ void __launch_bounds__(BC / TM * LANES)
+__global__ void __launch_bounds__(BC / TM * LANES, 1)
 portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
                 T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
@@ -203,7 +203,7 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
 // Threads = BR / TM * LANES; rows are queries, columns keys (TN = BC / LANES per thread).
 template <typename T, int DP, int BR, int BC, int TM, int LANES>
-__global__ void __launch_bounds__(BR / TM * LANES)
+__global__ void __launch_bounds__(BR / TM * LANES, 1)
 portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
                 T* __restrict__ dq,
@@ -250,7 +250,7 @@ portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
     float acc[TM][DT];
     zero(acc);
-    const int kv_end = causal ? min(nk, r0 + BR + off) : nk;
+    const int kv_end = causal ? min(nk, min(r0 + BR, nq) + off) : nk;
     const int n_tiles = kv_end > 0 ? cdiv(kv_end, BC) : 0;
 
 #pragma unroll 1

@@ -80,42 +80,73 @@ template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4&
     }
 }
 
-// Copy a ROWS x DP tile (rows of global stride sn, valid rows `nrows`, valid columns `d`) to
-// shared memory as float, zero-filling the rest so padded rows/columns add nothing to dot
-// products. `vec` (decided on the host from alignment and strides) selects 16-byte loads;
-// otherwise consecutive threads read consecutive elements, still coalesced.
+// The 16-byte path of a ROWS x DP tile copy: fetch into registers, then commit to shared
+// memory (split so a kernel may issue the loads early). Rows >= nrows and columns >= d become zeros.
 template <typename T, int ROWS, int DP, int THREADS>
-__device__ __forceinline__ void load_tile(float* __restrict__ s, const T* __restrict__ g, long long sn,
-                                          int nrows, int d, bool vec) {
-    constexpr int LD = ld_of(DP);
-    if (vec) {
-        constexpr int E = 16 / sizeof(T);
-        constexpr int VPR = DP / E;
-        constexpr int TOTAL = ROWS * VPR;
+struct TileFetch {
+    static constexpr int E = 16 / sizeof(T);  // elements per 16-byte vector
+    static constexpr int VPR = DP / E;        // vectors per row
+    static constexpr int TOTAL = ROWS * VPR;
+    static constexpr int ITERS = cdiv(TOTAL, THREADS);
+    uint4 raw[ITERS];
+
+    __device__ __forceinline__ void fetch(const T* __restrict__ g, long long sn, int nrows, int d) {
 #pragma unroll
-        for (int it = 0; it < cdiv(TOTAL, THREADS); ++it) {
+        for (int it = 0; it < ITERS; ++it) {
+            const int idx = it * THREADS + threadIdx.x;
+            const int r = idx / VPR, c = (idx % VPR) * E;
+            raw[it] = make_uint4(0, 0, 0, 0);
+            if ((TOTAL % THREADS == 0 || idx < TOTAL) && r < nrows && c < d)
+                raw[it] = __ldg(reinterpret_cast<const uint4*>(g + r * sn + c));
+        }
+    }
+
+    __device__ __forceinline__ void commit(float* __restrict__ s) const {
+        constexpr int LD = ld_of(DP);
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
             const int idx = it * THREADS + threadIdx.x;
             if (TOTAL % THREADS == 0 || idx < TOTAL) {
                 const int r = idx / VPR, c = (idx % VPR) * E;
-                uint4 u = make_uint4(0, 0, 0, 0);
-                if (r < nrows && c < d) u = __ldg(reinterpret_cast<const uint4*>(g + r * sn + c));
                 float f[E];
-                unpack16<T>(u, f);
+                unpack16<T>(raw[it], f);
 #pragma unroll
                 for (int j = 0; j < E; j += 4)
                     *reinterpret_cast<float4*>(s + r * LD + c + j) = make_float4(f[j], f[j + 1], f[j + 2], f[j + 3]);
             }
         }
-    } else {
-        constexpr int TOTAL = ROWS * DP;
+    }
+};
+
+// The scalar path: consecutive threads read consecutive elements (coalesced for any D,
+// alignment or stride).
+template <typename T, int ROWS, int DP, int THREADS>
+__device__ __forceinline__ void load_tile_scalar(float* __restrict__ s, const T* __restrict__ g, long long sn,
+                                                 int nrows, int d) {
+    constexpr int LD = ld_of(DP);
+    constexpr int TOTAL = ROWS * DP;
 #pragma unroll 4
-        for (int it = 0; it < cdiv(TOTAL, THREADS); ++it) {
-            const int idx = it * THREADS + threadIdx.x;
-            if (TOTAL % THREADS == 0 || idx < TOTAL) {
-                const int r = idx / DP, c = idx % DP;
-                s[r * LD + c] = (r < nrows && c < d) ? to_float<T>(g[r * sn + c]) : 0.f;
-            }
+    for (int it = 0; it < cdiv(TOTAL, THREADS); ++it) {
+        const int idx = it * THREADS + threadIdx.x;
+        if (TOTAL % THREADS == 0 || idx < TOTAL) {
+            const int r = idx / DP, c = idx % DP;
+            s[r * LD + c] = (r < nrows && c < d) ? to_float<T>(g[r * sn + c]) : 0.f;
         }
+    }
+}
+
+// Copy a ROWS x DP tile (rows of global stride sn, valid rows `nrows`, valid columns `d`) to
+// shared memory as float, zero-filling the rest so padded rows/columns add nothing to dot
+// products. `vec` (decided on the host from alignment and strides) selects 16-byte loads.
+template <typename T, int ROWS, int DP, int THREADS>
+__device__ __forceinline__ void load_tile(float* __restrict__ s, const T* __restrict__ g, long long sn,
+                                          int nrows, int d, bool vec) {
+    if (vec) {
+        TileFetch<T, ROWS, DP, THREADS> f;
+        f.fetch(g, sn, nrows, d);
+        f.commit(s);
+    } else {
+        load_tile_scalar<T, ROWS, DP, THREADS>(s, g, sn, nrows, d);
     }
 }
 
