@@ -135,21 +135,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
     }
 
-    // Scale into log2 units, mask (only tiles that cross N or the diagonal), online softmax.
+    // Mask (only tiles that cross N or the diagonal), online softmax with the scale in the exponent.
     const bool tail = j0 + Bc > nk;
 #pragma unroll
     for (int mi = 0; mi < kM; ++mi) {
       const int row0 = q0 + row_w + mi * 16;
-#pragma unroll
-      for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][n][e] *= scale_log2;
-      }
+      const float c = positive_scale<kNT>(s[mi], scale_log2);
       if (tail || (causal && j0 + Bc - 1 > row0 + causal_offset)) {
         mask_strip<kNT>(s[mi], row0, j0, nk, causal, causal_offset);
       }
       float alpha[2];
-      online_softmax<kNT>(s[mi], m_run[mi], l_run[mi], alpha);
+      online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         acc[mi][n][0] *= alpha[0];

@@ -31,6 +31,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 4-byte variant (through L1), for per-row statistics that carry no 16-byte alignment.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's committed groups are still in flight.
 template <int N>
@@ -140,17 +144,37 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   constexpr int kIters = (kTotal + NTHREADS - 1) / NTHREADS;
+  const int tid = static_cast<int>(threadIdx.x);
+  if constexpr (NTHREADS % kChunks == 0 && kTotal % NTHREADS == 0 &&
+                (!L::kSwizzle || (NTHREADS / kChunks) % 8 == 0)) {
+    // Each thread keeps one column chunk and walks down the rows: one pointer, one stride, and the
+    // smem rows move by a multiple of 8 (the swizzle pattern does not change).
+    constexpr int kRowStep = NTHREADS / kChunks;
+    const int r0 = tid / kChunks;
+    const int c = tid % kChunks;
+    const int left = d_valid - c * 8;
+    const int col_bytes = left >= 8 ? 16 : (left > 0 ? left * 2 : 0);
+    const T* src = g + static_cast<int64_t>(r0) * row_stride + (col_bytes ? c * 8 : 0);
+    const int64_t step = static_cast<int64_t>(kRowStep) * row_stride;
+    const uint32_t dst = smem_u32(smem + L::offset(r0, c));
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = it * NTHREADS + static_cast<int>(threadIdx.x);
-    if (kTotal % NTHREADS == 0 || idx < kTotal) {
-      const int r = idx / kChunks;
-      const int c = idx % kChunks;
-      const int left = d_valid - c * 8;
-      const bool row_ok = r < rows_valid;
-      const int nbytes = row_ok ? (left >= 8 ? 16 : (left > 0 ? left * 2 : 0)) : 0;
-      const T* src = g + (nbytes ? static_cast<int64_t>(r) * row_stride + c * 8 : 0);
-      cp_async_16(smem_u32(smem + L::offset(r, c)), src, nbytes);
+    for (int it = 0; it < kIters; ++it) {
+      const bool row_ok = r0 + it * kRowStep < rows_valid;
+      cp_async_16(dst + it * kRowStep * L::kPitch * 2, row_ok ? src + it * step : g, row_ok ? col_bytes : 0);
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = it * NTHREADS + tid;
+      if (kTotal % NTHREADS == 0 || idx < kTotal) {
+        const int r = idx / kChunks;
+        const int c = idx % kChunks;
+        const int left = d_valid - c * 8;
+        const bool row_ok = r < rows_valid;
+        const int nbytes = row_ok ? (left >= 8 ? 16 : (left > 0 ? left * 2 : 0)) : 0;
+        const T* src = g + (nbytes ? static_cast<int64_t>(r) * row_stride + c * 8 : 0);
+        cp_async_16(smem_u32(smem + L::offset(r, c)), src, nbytes);
+      }
     }
   }
 }
@@ -169,6 +193,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// dst[0] += x, dst[1] += y in global memory, without a return value (dst 8-byte aligned). sm_90
+// has a vector form, one instruction and one L2 transaction for the pair.
+__device__ __forceinline__ void red_add2(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
 }
 
 // Store two adjacent output elements (4 bytes) of type T from floats.

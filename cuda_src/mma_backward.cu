@@ -1,0 +1,371 @@
+// FlashAttention-2 backward on tensor cores (sm_80+, fp16/bf16), in three launches:
+//   mma_bwd_delta:      Delta = rowsum(dO * O) per query row (and the dQ accumulator zeroed);
+//   mma_flash_bwd:      one block per K_j/V_j tile of one (batch, kv head), looping over the group's
+//                       query heads and their Q_i tiles; dK_j, dV_j stay in f32 registers, dQ goes
+//                       out through f32 atomics;
+//   mma_bwd_dq_convert: dQ = scale * accumulator, in the output dtype and strides.
+//
+// Main kernel, per (Q_i, K_j) pair, with the key-major products so P^T and dS^T are A fragments:
+//   S^T  = K_j Q_i^T          P^T = exp2(S^T * scale*log2e - lse*log2e)
+//   dV_j += P^T dO_i          dP^T = V_j dO_i^T        dS^T = P^T * (dP^T - Delta)
+//   dK_j += dS^T Q_i          dQ_i += dS K_j           (scale applied once at the end)
+// Warp w owns keys [16 (w % kKeyWarps), +16) of K_j and the d-slice w / kKeyWarps of dK_j/dV_j
+// (kDSplit > 1 trades recomputing S^T/dP^T for registers at large head dims). dS^T goes
+// through shared memory once so that dQ_i can be split over warps by query rows.
+#include "mma_primitives.cuh"
+#include "mma_softmax.cuh"
+
+using namespace cupyflash;
+using namespace cupyflash::mma;
+
+template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
+    mma_flash_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                  float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
+                  int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
+                  long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
+                  long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
+                  long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
+                  float scale, float scale_log2, int causal) {
+  constexpr int kWarps = kKeyWarps * kDSplit;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int Bc = 16 * kKeyWarps;
+  constexpr int kDS = D / kDSplit;  // dK/dV columns per warp
+  constexpr int kNQ = Br / 8;       // n8 tiles of S^T (queries) per warp
+  // dQ_i = dS K_j: warps tile Br x D as kQRowWarps strips of 16 rows by kQColWarps column blocks.
+  constexpr int kQRowWarps = (Br / 16) < kWarps ? (Br / 16) : kWarps;
+  constexpr int kQColWarps = kWarps / kQRowWarps;
+  constexpr int kQStrips = Br / 16 / kQRowWarps;
+  constexpr int kDQ = D / kQColWarps;
+  static_assert(kDS % 16 == 0 && kDQ % 16 == 0 && Br % 16 == 0, "tile shape");
+  static_assert(kWarps % kQRowWarps == 0 && Br / 16 % kQRowWarps == 0, "dQ warp tiling");
+  static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
+  using L = TileLayout<D>;
+  using LS = TileLayout<Br>;  // dS^T: Bc rows (keys) x Br columns (queries)
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Bc * L::kPitch;
+  T* sQ = sV + Bc * L::kPitch;             // [kStages][Br][pitch]
+  T* sdO = sQ + kStages * Br * L::kPitch;  // [kStages][Br][pitch]
+  T* sdS = sdO + kStages * Br * L::kPitch;
+  float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
+  float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
+
+  const int hk_count = hq / group;
+  const int b = blockIdx.x / hk_count;
+  const int hkv = blockIdx.x % hk_count;
+  const int j0 = blockIdx.y * Bc;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int kw = warp % kKeyWarps;
+  const int dw = warp / kKeyWarps;
+  const int causal_offset = nk - nq;
+
+  // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
+  const int m_tiles = (nq + Br - 1) / Br;
+  int m_start = 0;
+  if (causal) {
+    const int first_query = j0 - causal_offset;
+    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
+  }
+  const int per_head = m_tiles - m_start;
+  const int total = group * per_head;
+
+  const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
+  const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+
+  // Iteration it -> (query head, Q tile); its Q_i, dO_i, lse and Delta arrive in one cp.async group.
+  auto tile_of = [&](int it, int& hh, int& i0) {
+    hh = hkv * group + it / per_head;
+    i0 = (m_start + it % per_head) * Br;
+  };
+  auto load_q_do = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + b * q_sb + hh * q_sh + i0 * q_sn, q_sn,
+                                        nq - i0, d);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + b * do_sb + hh * do_sh + i0 * do_sn,
+                                        do_sn, nq - i0, d);
+  };
+  // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
+  // Q and dO rows are zeros, so they contribute nothing whatever P is).
+  auto load_stats = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int r = static_cast<int>(threadIdx.x);
+    if (r < Br) {
+      const int i = min(i0 + r, nq - 1);
+      const int nbytes = i0 + r < nq ? 4 : 0;
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + b * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(b) * hq + hh) * nq + i, nbytes);
+    }
+  };
+
+  float acc_dv[kDS / 8][4], acc_dk[kDS / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDS / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+  }
+
+  if (total > 0) {
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d);
+    load_q_do(0, 0);
+    load_stats(0, 0);
+  }
+  cp_async_commit();  // group 0: K_j, V_j and step 0
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < total) {
+      load_q_do(s, s);
+      load_stats(s, s);
+    }
+    cp_async_commit();
+  }
+
+  const LdmRows<D> kv_a(16 * kw + (lane & 15), lane >> 4);                      // A of K Q^T, V dO^T
+  const LdmRows<D> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);        // B of K Q^T, V dO^T
+  const LdmRows<D> qt_b(lane & 15, 2 * (dw * kDS / 16) + (lane >> 4));           // B of P^T dO, dS^T Q
+  const int qs = warp % kQRowWarps;                                               // dQ: strip group
+  const int qc = warp / kQRowWarps;                                               // dQ: column block
+  const LdmRows<Br> ds_a((lane >> 4) * 8 + (lane & 7), 2 * (qs * kQStrips) + ((lane >> 3) & 1));  // A of dS K
+  const LdmRows<D> kt_b(lane & 15, 2 * (qc * kDQ / 16) + (lane >> 4));           // B of dS K (.trans)
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sdS_u = smem_u32(sdS);
+  const int key_w = j0 + 16 * kw;  // first key of this warp
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it % kStages;
+    int hh, i0;
+    tile_of(it, hh, i0);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1
+    {
+      const int ahead = it + kStages - 1;  // into the slot step it-1 used
+      if (ahead < total) {
+        load_q_do(ahead, ahead % kStages);
+        load_stats(ahead, ahead % kStages);
+      }
+      cp_async_commit();
+    }
+    const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
+    const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
+    const float* lse_b = sLse + buf * Br;
+    const float* delta_b = sDelta + buf * Br;
+
+    // S^T = K_j Q_i^T -> P^T.
+    float pt[kNQ][4];
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pt[n][e] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sK_u + kv_a.at(ks));
+#pragma unroll
+      for (int n2 = 0; n2 < kNQ / 2; ++n2) {
+        uint32_t bq[4];
+        ldmatrix_x4(bq, sQ_u + qn_b.at(ks, n2 * 16));
+        mma_16816<T>(pt[2 * n2], a, bq[0], bq[1]);
+        mma_16816<T>(pt[2 * n2 + 1], a, bq[2], bq[3]);
+      }
+    }
+    const float c = positive_scale<kNQ>(pt, scale_log2);
+    if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
+      mask_strip<kNQ, true>(pt, key_w, i0, nk, causal, causal_offset);
+    }
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+      // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
+      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8 + (lane & 3) * 2);
+      const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                    ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+      pt[n][0] = fast_exp2(fmaf(pt[n][0], c, -l2.x));
+      pt[n][1] = fast_exp2(fmaf(pt[n][1], c, -l2.y));
+      pt[n][2] = fast_exp2(fmaf(pt[n][2], c, -l2.x));
+      pt[n][3] = fast_exp2(fmaf(pt[n][3], c, -l2.y));
+    }
+
+    // dV_j += P^T dO_i (this warp's d-slice).
+#pragma unroll
+    for (int kq = 0; kq < Br / 16; ++kq) {
+      uint32_t a[4];
+      a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
+      a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
+      a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
+      a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+#pragma unroll
+      for (int n2 = 0; n2 < kDS / 16; ++n2) {
+        uint32_t bo[4];
+        ldmatrix_x4_trans(bo, sdO_u + qt_b.at(n2, kq * 16));
+        mma_16816<T>(acc_dv[2 * n2], a, bo[0], bo[1]);
+        mma_16816<T>(acc_dv[2 * n2 + 1], a, bo[2], bo[3]);
+      }
+    }
+
+    // dP^T = V_j dO_i^T, then dS^T = P^T (dP^T - Delta), kept in pt.
+    {
+      float dpt[kNQ][4];
+#pragma unroll
+      for (int n = 0; n < kNQ; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sV_u + kv_a.at(ks));
+#pragma unroll
+        for (int n2 = 0; n2 < kNQ / 2; ++n2) {
+          uint32_t bo[4];
+          ldmatrix_x4(bo, sdO_u + qn_b.at(ks, n2 * 16));
+          mma_16816<T>(dpt[2 * n2], a, bo[0], bo[1]);
+          mma_16816<T>(dpt[2 * n2 + 1], a, bo[2], bo[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kNQ; ++n) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8 + (lane & 3) * 2);
+        pt[n][0] *= dpt[n][0] - dl.x;
+        pt[n][1] *= dpt[n][1] - dl.y;
+        pt[n][2] *= dpt[n][2] - dl.x;
+        pt[n][3] *= dpt[n][3] - dl.y;
+      }
+    }
+
+    // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
+#pragma unroll
+    for (int kq = 0; kq < Br / 16; ++kq) {
+      uint32_t a[4];
+      a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
+      a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
+      a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
+      a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+      if (dw == 0) {
+        const int r = 16 * kw + (lane >> 2);
+        const int e = (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
+        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
+        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
+        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < kDS / 16; ++n2) {
+        uint32_t bq[4];
+        ldmatrix_x4_trans(bq, sQ_u + qt_b.at(n2, kq * 16));
+        mma_16816<T>(acc_dk[2 * n2], a, bq[0], bq[1]);
+        mma_16816<T>(acc_dk[2 * n2 + 1], a, bq[2], bq[3]);
+      }
+    }
+    __syncthreads();  // dS^T complete
+
+    // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator.
+#pragma unroll
+    for (int st = 0; st < kQStrips; ++st) {
+      float acc_dq[kDQ / 8][4];
+#pragma unroll
+      for (int n = 0; n < kDQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < Bc / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, sdS_u + ds_a.at(st, ks * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kDQ / 16; ++n2) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, sK_u + kt_b.at(n2, ks * 16));
+          mma_16816<T>(acc_dq[2 * n2], a, bk[0], bk[1]);
+          mma_16816<T>(acc_dq[2 * n2 + 1], a, bk[2], bk[3]);
+        }
+      }
+      float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = i0 + (qs * kQStrips + st) * 16 + (lane >> 2) + hf * 8;
+        if (row < nq) {
+#pragma unroll
+          for (int n = 0; n < kDQ / 8; ++n) {
+            const int col = qc * kDQ + n * 8 + (lane & 3) * 2;
+            if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int key = key_w + (lane >> 2) + hf * 8;
+    if (key < nk) {
+      T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
+      T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
+#pragma unroll
+      for (int n = 0; n < kDS / 8; ++n) {
+        const int col = dw * kDS + n * 8 + (lane & 3) * 2;
+        if (col < d) {
+          store2<T>(dv_row + col, acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
+          store2<T>(dk_row + col, acc_dk[n][2 * hf] * scale, acc_dk[n][2 * hf + 1] * scale);
+        }
+      }
+    }
+  }
+}
+
+// Delta = rowsum(dO * O) in f32, one warp per query row; the row's dQ accumulator is zeroed too.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    mma_bwd_delta(const T* __restrict__ dout, const T* __restrict__ o, float* __restrict__ delta,
+                  float* __restrict__ dq_accum, long long rows, int nq, int d, int hq, long long do_sb,
+                  long long do_sh, long long do_sn, long long o_sb, long long o_sh, long long o_sn) {
+  const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int i = static_cast<int>(r % nq);
+  const long long bh = r / nq;
+  const int h = static_cast<int>(bh % hq);
+  const long long b = bh / hq;
+  const T* dor = dout + b * do_sb + h * do_sh + i * do_sn;
+  const T* orow = o + b * o_sb + h * o_sh + i * o_sn;
+  float sum = 0.f;
+  for (int c = lane * 8; c < d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
+    const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
+    const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
+    const T* xs = reinterpret_cast<const T*>(&x);
+    const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) delta[r] = sum;
+  float4* acc = reinterpret_cast<float4*>(dq_accum + r * d);
+  for (int c = lane; c < d / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// dQ = scale * accumulator, written in T with dq's strides; one warp per query row.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    mma_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, long long rows, int nq, int d, int hq,
+                       long long dq_sb, long long dq_sh, long long dq_sn, float scale) {
+  const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int i = static_cast<int>(r % nq);
+  const long long bh = r / nq;
+  const int h = static_cast<int>(bh % hq);
+  const long long b = bh / hq;
+  T* out = dq + b * dq_sb + h * dq_sh + i * dq_sn;
+  const float* acc = dq_accum + r * d;
+  for (int c = lane * 2; c < d; c += 64) {
+    const float2 x = *reinterpret_cast<const float2*>(acc + c);
+    store2<T>(out + c, x.x * scale, x.y * scale);
+  }
+}

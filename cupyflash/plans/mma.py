@@ -1,0 +1,207 @@
+"""Launch geometry of the tensor-core ("mma") family: pure functions of shape and device limits.
+
+Head dims are padded up to one of ``HEAD_DIMS`` (zero-filled columns cost flops, not accuracy);
+each padded head dim has one forward and one backward tile configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import DeviceLimits, LaunchPlan, cdiv
+
+FORWARD_SOURCE = "mma_forward.cu"
+BACKWARD_SOURCE = "mma_backward.cu"
+
+#: Padded head dims that have kernels; D is rounded up to the next one.
+HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
+
+#: Bytes per element of the 16-bit types the family handles.
+_ELEM = 2
+
+#: Rows handled per warp by the small backward helper kernels (Delta, dQ conversion).
+_ROWS_PER_AUX_BLOCK = 8
+
+
+def padded_head_dim(d: int) -> int | None:
+    """The smallest instantiated head dim >= d, or None past the largest."""
+    for pd in HEAD_DIMS:
+        if d <= pd:
+            return pd
+    return None
+
+
+def _pitch(width: int) -> int:
+    """Elements per smem row of a tile ``width`` wide (TileLayout in mma_primitives.cuh)."""
+    return width if width % 64 == 0 else width + 8
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tiles of mma_flash_fwd: Br query rows (kWarps warps of Br/kWarps rows), Bc keys, a kStages ring."""
+
+    d: int  # padded head dim
+    br: int
+    bc: int
+    warps: int
+    stages: int = 2
+    min_blocks: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        return (self.br + 2 * self.stages * self.bc) * _pitch(self.d) * _ELEM
+
+    def name(self, ctype: str) -> str:
+        return (
+            f"mma_flash_fwd<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.stages}, {self.min_blocks}>"
+        )
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of mma_flash_bwd: Bc = 16 * key_warps keys per block, Br query rows per step;
+    d_split > 1 splits the dK/dV columns over more warps (which recompute S^T and dP^T)."""
+
+    d: int
+    br: int
+    key_warps: int
+    d_split: int = 1
+    stages: int = 2  # depth of the Q_i/dO_i cp.async ring
+    min_blocks: int = 1
+
+    @property
+    def bc(self) -> int:
+        return 16 * self.key_warps
+
+    @property
+    def warps(self) -> int:
+        return self.key_warps * self.d_split
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        kv = 2 * self.bc * _pitch(self.d) * _ELEM
+        q_do = 2 * self.stages * self.br * _pitch(self.d) * _ELEM  # Q_i and dO_i ring
+        ds = self.bc * _pitch(self.br) * _ELEM
+        stats = 2 * self.stages * self.br * 4  # lse and Delta ring
+        return kv + q_do + ds + stats
+
+    def name(self, ctype: str) -> str:
+        return (
+            f"mma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.key_warps}, {self.d_split}, {self.stages}, "
+            f"{self.min_blocks}>"
+        )
+
+
+# Measured on an H200 (benchmarks/dev_mma.py). D = 64 and 128 use FlashAttention-2's split:
+# 4 warps of 32 query rows each, so every K/V fragment read from smem feeds two mma; at 255/222
+# registers two blocks fit per SM (+20-25% over 8 warps of 16 rows, which ran at 1 block/SM and
+# was bound by ldmatrix traffic and latency). The other head dims keep the 16-row split (verified,
+# not tuned). Every instantiation compiles spill-free for sm_80/86/89/90a (tests/test_compile.py).
+FORWARD_CONFIGS: dict[int, ForwardConfig] = {
+    32: ForwardConfig(32, br=128, bc=128, warps=8),
+    64: ForwardConfig(64, br=128, bc=64, warps=4),
+    96: ForwardConfig(96, br=128, bc=64, warps=8),
+    128: ForwardConfig(128, br=128, bc=64, warps=4),
+    192: ForwardConfig(192, br=64, bc=32, warps=4),
+    256: ForwardConfig(256, br=64, bc=32, warps=4),
+}
+
+# One block of 8 warps per SM (dK_j/dV_j accumulators: D f32 registers per thread at kDSplit = 1);
+# D = 128 uses Br = 32 because Br = 64 spills a few bytes. A 3-deep Q_i/dO_i ring measured the same
+# as 2, and 4-warp blocks at 2 per SM were 10-20% slower.
+BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
+    32: BackwardConfig(32, br=64, key_warps=8),
+    64: BackwardConfig(64, br=64, key_warps=8),
+    96: BackwardConfig(96, br=64, key_warps=8),
+    128: BackwardConfig(128, br=32, key_warps=8),
+    192: BackwardConfig(192, br=32, key_warps=4, d_split=2),
+    256: BackwardConfig(256, br=32, key_warps=2, d_split=4),
+}
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    config: ForwardConfig
+    main: LaunchPlan
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    config: BackwardConfig
+    delta: LaunchPlan  # Delta = rowsum(dO * O), zeroes the dQ accumulator
+    main: LaunchPlan
+    convert: LaunchPlan  # dQ accumulator -> dq
+    rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
+
+
+def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
+    pd = padded_head_dim(d)
+    if pd is None:
+        return None
+    cfg = FORWARD_CONFIGS[pd]
+    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+
+
+def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
+    pd = padded_head_dim(d)
+    if pd is None:
+        return None
+    cfg = BACKWARD_CONFIGS[pd]
+    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+
+
+def plan_forward(
+    batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits, config: ForwardConfig | None = None
+) -> ForwardPlan:
+    """Grid (B*Hq, query tiles): blockIdx.y counts down from the last query tile (most work under causal)."""
+    cfg = config or forward_config(d, limits)
+    if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
+        raise ValueError(f"no mma forward configuration for D={d} within {limits.max_shared_per_block} B of smem")
+    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), (batch * hq, cdiv(nq, cfg.br), 1), (cfg.threads, 1, 1),
+                      cfg.shared_bytes)
+    return ForwardPlan(cfg, main)
+
+
+def plan_backward(
+    batch: int,
+    hq: int,
+    hk: int,
+    nq: int,
+    nk: int,
+    d: int,
+    ctype: str,
+    limits: DeviceLimits,
+    config: BackwardConfig | None = None,
+) -> BackwardPlan:
+    """Grid (B*Hk, key tiles) for the main kernel; one warp per query row for the helpers."""
+    cfg = config or backward_config(d, limits)
+    if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
+        raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
+    rows = batch * hq * nq
+    aux_grid = (cdiv(rows, _ROWS_PER_AUX_BLOCK), 1, 1)
+    aux_block = (32 * _ROWS_PER_AUX_BLOCK, 1, 1)
+    return BackwardPlan(
+        config=cfg,
+        delta=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
+        main=LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), (batch * hk, cdiv(nk, cfg.bc), 1), (cfg.threads, 1, 1),
+                        cfg.shared_bytes),
+        convert=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
+        rows=rows,
+    )
+
+
+def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
+    """Every (source, name expression) the family can launch."""
+    out: list[tuple[str, str]] = []
+    for ct in ctypes:
+        out += [(FORWARD_SOURCE, c.name(ct)) for c in FORWARD_CONFIGS.values()]
+        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_CONFIGS.values()]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}>"), (BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
+    return out

@@ -1,0 +1,184 @@
+"""Launch plans of the tensor-core ("mma") family, on the CPU; plus a spill check of its main kernels."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+from cupyflash import _dtypes
+from cupyflash.kernels import mma as family
+from cupyflash.plans import A100, H100, RTX4090, T4, DeviceLimits, cdiv
+from cupyflash.plans import mma as plans
+from cupyflash.validation import AttentionProblem
+
+DEVICES = {"A100": A100, "H100": H100, "RTX4090": RTX4090}
+
+
+def problem(d=64, dtype=_dtypes.FLOAT16, hq=8, hk=2, nq=1000, nk=777, causal=False) -> AttentionProblem:
+    return AttentionProblem((2,), hq, hk, nq, nk, d, np.dtype(dtype), causal, 1.0 / np.sqrt(d), "cupy")
+
+
+@pytest.mark.parametrize("d, want", [(1, 32), (32, 32), (40, 64), (64, 64), (72, 96), (96, 96), (128, 128),
+                                     (136, 192), (160, 192), (200, 256), (256, 256), (257, None)])  # fmt: skip
+def test_padded_head_dim(d, want):
+    assert plans.padded_head_dim(d) == want
+
+
+@pytest.mark.parametrize("name", DEVICES)
+def test_forward_configs_fit_every_sm80_part(name):
+    limits = DEVICES[name]
+    for pd, cfg in plans.FORWARD_CONFIGS.items():
+        assert cfg.d == pd
+        assert cfg.shared_bytes <= limits.max_shared_per_block, (name, cfg)
+        assert plans.forward_config(pd, limits) == cfg
+
+
+def test_backward_configs_fit_datacenter_parts():
+    for limits in (A100, H100):
+        for pd, cfg in plans.BACKWARD_CONFIGS.items():
+            assert cfg.d == pd
+            assert plans.backward_config(pd, limits) == cfg, (limits, cfg)
+
+
+def test_backward_config_absent_where_smem_is_short():
+    # 99 KB parts take the portable backward for the larger head dims (kernels.mma.backward checks).
+    small = DeviceLimits(compute_capability=89, sm_count=128, max_shared_per_block=64 * 1024)
+    assert plans.backward_config(128, small) is None
+    assert plans.backward_config(128, RTX4090) == (
+        plans.BACKWARD_CONFIGS[128] if plans.BACKWARD_CONFIGS[128].shared_bytes <= RTX4090.max_shared_per_block else None
+    )
+    with pytest.raises(ValueError, match="no mma backward configuration"):
+        plans.plan_backward(1, 1, 1, 10, 10, 128, "__half", small)
+
+
+def test_shared_bytes_match_the_kernel_layout():
+    # Swizzled tiles (width % 64 == 0) have no padding; others one 16-byte chunk per row.
+    cfg = plans.ForwardConfig(128, br=128, bc=64, warps=8, stages=2)
+    assert cfg.shared_bytes == (128 + 2 * 2 * 64) * 128 * 2
+    cfg96 = plans.ForwardConfig(96, br=128, bc=64, warps=8, stages=2)
+    assert cfg96.shared_bytes == (128 + 4 * 64) * 104 * 2
+    b = plans.BackwardConfig(64, br=64, key_warps=8)
+    assert b.bc == 128 and b.threads == 256
+    assert b.shared_bytes == 2 * 128 * 64 * 2 + 4 * 64 * 64 * 2 + 128 * 64 * 2 + 4 * 64 * 4
+
+
+def test_tile_shapes_are_what_the_kernels_assert():
+    for cfg in plans.FORWARD_CONFIGS.values():
+        assert cfg.br % (16 * cfg.warps) == 0 and cfg.bc % 16 == 0 and cfg.d % 16 == 0
+        assert cfg.stages >= 2 and cfg.threads <= 1024
+    for cfg in plans.BACKWARD_CONFIGS.values():
+        assert (cfg.d // cfg.d_split) % 16 == 0 and cfg.br % 16 == 0
+        row_warps = min(cfg.br // 16, cfg.warps)
+        assert cfg.warps % row_warps == 0 and (cfg.d // (cfg.warps // row_warps)) % 16 == 0
+
+
+def test_plan_forward_geometry():
+    plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100)
+    cfg = plans.FORWARD_CONFIGS[96]
+    assert plan.config == cfg
+    assert plan.main.grid == (36, cdiv(1000, cfg.br), 1)
+    assert plan.main.block == (cfg.threads, 1, 1)
+    assert plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.name == f"mma_flash_fwd<__nv_bfloat16, 96, {cfg.br}, {cfg.bc}, {cfg.warps}, 2, 1>"
+    assert plan.main.source == "mma_forward.cu"
+
+
+def test_plan_backward_geometry():
+    plan = plans.plan_backward(2, 8, 2, 1000, 777, 128, "__half", H100)
+    cfg = plans.BACKWARD_CONFIGS[128]
+    assert plan.main.grid == (4, cdiv(777, cfg.bc), 1)
+    assert plan.main.block == (cfg.threads, 1, 1)
+    assert plan.rows == 2 * 8 * 1000
+    assert plan.delta.grid == (cdiv(16000, 8), 1, 1) and plan.delta.block == (256, 1, 1)
+    assert plan.convert.grid == plan.delta.grid
+    assert plan.delta.name == "mma_bwd_delta<__half>" and plan.convert.name == "mma_bwd_dq_convert<__half>"
+
+
+def test_supports():
+    assert family.supports(problem(), H100)
+    assert family.supports(problem(dtype=_dtypes.BFLOAT16, d=256), A100)
+    assert family.supports(problem(d=40), RTX4090)
+    assert not family.supports(problem(dtype=_dtypes.FLOAT32), H100)
+    assert not family.supports(problem(), T4)
+    assert not family.supports(problem(d=41), H100)  # rows of D % 8 != 0 elements: portable family
+
+
+class _FakeArray:
+    """Just what rows_aligned reads: shape, strides, itemsize and data.ptr."""
+
+    def __init__(self, shape, strides_elems, itemsize=2, ptr=1 << 20):
+        self.shape = shape
+        self.itemsize = itemsize
+        self.strides = tuple(s * itemsize for s in strides_elems)
+        self.data = type("Mem", (), {"ptr": ptr})()
+
+
+def test_rows_aligned_checks_pointer_and_strides():
+    ok = _FakeArray((2, 4, 100, 64), (4 * 100 * 64, 100 * 64, 64, 1))
+    assert family.rows_aligned(ok)
+    # (B, N, H, D) memory seen as (B, H, N, D): row stride H*D = 4*64, still 16-byte multiples.
+    assert family.rows_aligned(_FakeArray((2, 4, 100, 64), (100 * 4 * 64, 64, 4 * 64, 1)))
+    assert not family.rows_aligned(_FakeArray((2, 4, 100, 64), (4 * 100 * 64, 100 * 64, 64, 1), ptr=(1 << 20) + 8))
+    assert not family.rows_aligned(_FakeArray((2, 4, 100, 40), (4 * 100 * 44, 100 * 44, 44, 1)))  # 88-byte rows
+    # A stride of a size-1 axis is never used, so it may be anything.
+    assert family.rows_aligned(_FakeArray((1, 4, 100, 64), (3, 100 * 64, 64, 1)))
+
+
+def test_instantiations_cover_every_config_once():
+    inst = family.instantiations()
+    assert len(inst) == len(set(inst))
+    names = {n for _, n in inst}
+    for ct in ("__half", "__nv_bfloat16"):
+        for cfg in plans.FORWARD_CONFIGS.values():
+            assert cfg.name(ct) in names
+        for cfg in plans.BACKWARD_CONFIGS.values():
+            assert cfg.name(ct) in names
+        assert f"mma_bwd_delta<{ct}>" in names and f"mma_bwd_dq_convert<{ct}>" in names
+    assert len(inst) <= 32  # CI compiles each for four architectures
+
+
+# ------------------------------------------------------------------------------ compile check
+
+try:
+    from cupy.cuda import nvrtc
+
+    nvrtc.getVersion()
+    NVRTC_REASON = None
+except Exception as e:  # pragma: no cover - depends on the machine
+    NVRTC_REASON = f"NVRTC unavailable ({type(e).__name__}: {e})"
+
+
+def _main_jobs() -> list[tuple[str, str, str]]:
+    jobs = []
+    for ct in ("__half", "__nv_bfloat16"):
+        for d in (64, 128):
+            for src, cfg in ((plans.FORWARD_SOURCE, plans.FORWARD_CONFIGS[d]),
+                             (plans.BACKWARD_SOURCE, plans.BACKWARD_CONFIGS[d])):  # fmt: skip
+                for arch in ("sm_80", "sm_90a"):
+                    jobs.append((src, cfg.name(ct), arch))
+    return jobs
+
+
+def _compile(job):
+    from cupyflash.kernels.build import nvrtc_compile
+
+    return nvrtc_compile(*job)
+
+
+@pytest.fixture(scope="module")
+def main_usage() -> dict:
+    jobs = _main_jobs()
+    with ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(jobs, pool.map(_compile, jobs)))
+
+
+@pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
+@pytest.mark.parametrize("job", _main_jobs(), ids=lambda j: f"{j[1]}@{j[2]}")
+def test_main_instantiations_compile_without_spills(job, main_usage):
+    usage = main_usage[job]
+    print(usage.line())
+    assert usage.spill_stores == 0 and usage.spill_loads == 0, usage.line()
+    assert usage.stack_frame == 0, usage.line()
+    assert 0 < usage.registers <= 255, usage.line()
