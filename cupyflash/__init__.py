@@ -5,12 +5,22 @@ __version__ = "0.1.0"
 
 from . import reference
 from .api import attention, attention_backward, attention_forward, attention_vjp
+from .linear_api import (
+    linear_attention,
+    linear_attention_backward,
+    linear_attention_forward,
+    linear_attention_vjp,
+)
 
 __all__ = [
     "attention",
     "attention_forward",
     "attention_backward",
     "attention_vjp",
+    "linear_attention",
+    "linear_attention_forward",
+    "linear_attention_backward",
+    "linear_attention_vjp",
     "reference",
     "__version__",
 ]

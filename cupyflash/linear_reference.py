@@ -131,8 +131,146 @@ def linear_attention_vjp(
     return o, vjp
 
 
+# ---------------------------------------------------------------------------- chunked mirror
+#
+# The chunked algorithm of cuda_src/linear_chunked.cu written as loops over chunks, with the
+# kernels' index conventions (chunks of key positions, query row = position - (Nk - Nq), the
+# three scan modes, the reverse state of Q^T dO). Small enough to follow the kernels side by
+# side, and checked against the plain formulas above, so a kernel bug can be narrowed to one step.
+
+
+def _per_head(x: Any, heads: int) -> np.ndarray:
+    """(..., H, N, D) -> (B*H, N, D) float64."""
+    x = _f64(x)
+    return x.reshape(-1, heads, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+
+
+def _lam(p: LinearProblem, decay: Any) -> np.ndarray:
+    """lambda per query head (1 without decay)."""
+    return np.ones(p.base.hq) if decay is None else _f64(decay)
+
+
+def _chunk_state(x: np.ndarray, y: np.ndarray, lam: float, nrows: int, row_off: int, nch: int, rev: bool,
+                 causal: bool, c_len: int) -> np.ndarray:
+    """U_c = sum_r a_r x_r y_r^T per chunk (linear_chunk_state)."""
+    d = x.shape[-1]
+    u = np.zeros((nch, d, y.shape[-1]))
+    for c in range(nch):
+        for r in range(c_len):
+            row = c * c_len + r - row_off
+            if 0 <= row < nrows:
+                a = lam ** ((r + 1) if rev else (c_len - r)) if causal else 1.0
+                u[c] += a * np.outer(x[row], y[row])
+    return u
+
+
+def _scan(u: np.ndarray, lam: float, mode: str, c_len: int) -> np.ndarray:
+    """linear_state_scan: exclusive forward/reverse prefix with lambda^C per chunk, or the total."""
+    out = np.zeros_like(u)
+    f = lam**c_len
+    run = np.zeros_like(u[0])
+    if mode == "total":
+        out[0] = u.sum(axis=0)
+        return out
+    order = range(len(u)) if mode == "forward" else range(len(u) - 1, -1, -1)
+    for c in order:
+        out[c] = run
+        run = f * run + u[c]
+    return out
+
+
+def _chunk_out(x, ys, zs, states, lams, nx, nyz, nch, off, causal, rev, scale, c_len, s_trans):
+    """linear_chunk_out for one output head: x (nx, D); ys, zs, states, lams per summed query head."""
+    o = np.zeros((nx, zs[0].shape[-1]))
+    xoff = off if (causal and not rev) else 0
+    yoff = off if (causal and rev) else 0
+    for y, z, st, lam in zip(ys, zs, states, lams):
+        for c in range(nch):
+            xr = np.arange(c * c_len, (c + 1) * c_len) - xoff
+            yr = np.arange(c * c_len, (c + 1) * c_len) - yoff
+            xv = (xr >= 0) & (xr < nx)
+            yv = (yr >= 0) & (yr < nyz)
+            xc = np.where(xv[:, None], x[np.clip(xr, 0, nx - 1)], 0.0)
+            acc = np.zeros((c_len, o.shape[-1]))
+            if causal:
+                yc = np.where(yv[:, None], y[np.clip(yr, 0, nyz - 1)], 0.0)
+                zc = np.where(yv[:, None], z[np.clip(yr, 0, nyz - 1)], 0.0)
+                r = np.arange(c_len)
+                dist = (r[None, :] - r[:, None]) if rev else (r[:, None] - r[None, :])
+                w = np.where(dist >= 0, lam ** np.maximum(dist, 0), 0.0)
+                acc += (scale * w * (xc @ yc.T)) @ zc
+            sc = st[c] if causal else st[0]
+            sc = sc.T if s_trans else sc
+            b = (lam ** ((c_len - 1 - np.arange(c_len)) if rev else np.arange(c_len))) if causal else np.ones(c_len)
+            acc += (scale * b[:, None] * xc) @ sc
+            o[xr[xv]] += acc[xv]
+    return o
+
+
+def chunked_forward(q: Any, k: Any, v: Any, causal: bool = False, decay: Any = None, scale: float = 1.0,
+                    chunk: int = 64) -> np.ndarray:
+    """o by the chunked state-form algorithm (no mask), float64, mirroring the kernels."""
+    p = check_linear(q, k, v, causal=causal, decay=decay, scale=scale, allow_float64=True)
+    b = p.base
+    off = b.nk - b.nq
+    qh, kh, vh = _per_head(q, b.hq), _per_head(k, b.hk), _per_head(v, b.hk)
+    lam = _lam(p, decay)
+    nst = -(-b.nk // chunk)
+    nout = nst if causal else -(-b.nq // chunk)
+    mode = "forward" if causal else "total"
+    o = np.zeros_like(qh[..., :1].repeat(b.d, -1))
+    for bh in range(qh.shape[0]):
+        h = bh % b.hq
+        kv = bh // b.hq * b.hk + h // b.group
+        u = _chunk_state(kh[kv], vh[kv], lam[h], b.nk, 0, nst, False, causal, chunk)
+        s = _scan(u, lam[h], mode, chunk)
+        o[bh] = _chunk_out(qh[bh], [kh[kv]], [vh[kv]], [s], [lam[h]], b.nq, b.nk, nout, off, causal, False,
+                           b.scale, chunk, False)
+    return o.reshape(q.shape)
+
+
+def chunked_backward(do: Any, q: Any, k: Any, v: Any, causal: bool = False, decay: Any = None,
+                     scale: float = 1.0, chunk: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) by the chunked algorithm: dq from the forward state S^T, dk and dv from the
+    reverse state R of Q^T dO, mirroring the kernels' launches."""
+    p = check_linear_backward(do, q, k, v, causal=causal, decay=decay, scale=scale, allow_float64=True)
+    b = p.base
+    off = b.nk - b.nq
+    qh, kh, vh, doh = _per_head(q, b.hq), _per_head(k, b.hk), _per_head(v, b.hk), _per_head(do, b.hq)
+    lam = _lam(p, decay)
+    nfwd = -(-b.nk // chunk)
+    nrev = nfwd if causal else -(-b.nq // chunk)
+    nq_out = nfwd if causal else -(-b.nq // chunk)
+    nk_out = nfwd
+    states_f, states_r = {}, {}
+    dq = np.zeros_like(qh)
+    for bh in range(qh.shape[0]):
+        h = bh % b.hq
+        kv = bh // b.hq * b.hk + h // b.group
+        u = _chunk_state(kh[kv], vh[kv], lam[h], b.nk, 0, nfwd, False, causal, chunk)
+        states_f[bh] = _scan(u, lam[h], "forward" if causal else "total", chunk)
+        u = _chunk_state(qh[bh], doh[bh], lam[h], b.nq, off if causal else 0, nrev, True, causal, chunk)
+        states_r[bh] = _scan(u, lam[h], "reverse" if causal else "total", chunk)
+        dq[bh] = _chunk_out(doh[bh], [vh[kv]], [kh[kv]], [states_f[bh]], [lam[h]], b.nq, b.nk, nq_out, off, causal,
+                            False, b.scale, chunk, True)
+    dk = np.zeros_like(kh)
+    dv = np.zeros_like(vh)
+    for bk in range(kh.shape[0]):
+        bi, hk = divmod(bk, b.hk)
+        heads = [bi * b.hq + hk * b.group + g for g in range(b.group)]
+        lams = [lam[bh % b.hq] for bh in heads]
+        rs = [states_r[bh] for bh in heads]
+        dk[bk] = _chunk_out(vh[bk], [doh[bh] for bh in heads], [qh[bh] for bh in heads], rs, lams, b.nk, b.nq,
+                            nk_out, off, causal, True, b.scale, chunk, True)
+        dv[bk] = _chunk_out(kh[bk], [qh[bh] for bh in heads], [doh[bh] for bh in heads], rs, lams, b.nk, b.nq,
+                            nk_out, off, causal, True, b.scale, chunk, False)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
 __all__ = [
     "causal_decay_weights",
+    "chunked_backward",
+    "chunked_forward",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

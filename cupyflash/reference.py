@@ -250,3 +250,12 @@ def tiled_attention_backward(
         dK[..., j0:j1, :] = dK_j
         dV[..., j0:j1, :] = dV_j
     return dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape)
+
+
+# The linear-attention reference lives in its own module; it is part of this namespace too.
+from .linear_reference import (  # noqa: E402
+    linear_attention,
+    linear_attention_backward,
+    linear_attention_forward,
+    linear_attention_vjp,
+)

@@ -1,0 +1,247 @@
+"""Linear-attention kernels: launches of cuda_src/linear_chunked.cu and linear_masked.cu.
+
+``path="auto"`` runs the chunked state-form kernels (O(N D^2)) when there is no mask and the
+tiled masked kernel (O(Nq Nk D)) otherwise; tests force either path with ``path=``.
+Inputs are (..., H, N, D) CuPy arrays already checked by ``linear_api.check_linear``; batch dims
+are merged into 4-D strided views (``_layout``) and the kernels take element strides.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _dtypes
+from ..plans import LaunchPlan
+from ..plans import linear as plans
+from . import build
+
+NAME = "linear"
+PATHS = ("auto", "chunked", "masked")
+
+
+def instantiations() -> list[tuple[str, str]]:
+    return plans.instantiations(tuple(_dtypes.CTYPE[d] for d in _dtypes.SUPPORTED))
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def _strides(x: Any) -> tuple[np.int64, ...]:
+    """Element strides of a view (all but the last dim, which is unit)."""
+    return tuple(_i64(s // x.itemsize) for s in x.strides[:-1])
+
+
+def _tensor(x: Any) -> tuple[Any, ...]:
+    """A 4-D (B, H, N, D) view as kernel arguments: pointer, then b, h and n strides."""
+    return (x, *_strides(x))
+
+
+def _launch(plan: LaunchPlan, args: tuple) -> None:
+    build.launch(build.get_function(plan.source, plan.name), plan.grid, plan.block, args, plan.shared_bytes)
+
+
+def _geometry(x4: Any, p, tc: bool) -> plans.LinearGeometry:
+    b = p.base
+    return plans.LinearGeometry(x4.shape[0], b.hq, b.hk, b.nq, b.nk, b.d, b.causal, _dtypes.CTYPE[b.dtype], tc)
+
+
+def _tensor_cores(p, tensor_cores: bool | None) -> bool:
+    """TF32 tiles for 16-bit inputs on sm_80+ unless ``tensor_cores=False`` (tests reach both)."""
+    from ..plans import DeviceLimits
+
+    able = plans.use_tensor_cores(_dtypes.CTYPE[p.base.dtype], DeviceLimits.current().compute_capability)
+    return able if tensor_cores is None else (able and tensor_cores)
+
+
+def _choose(p, mask: Any, path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}; got {path!r}")
+    if path == "chunked" and mask is not None:
+        raise ValueError("the chunked kernels take no mask; use path='masked' or 'auto'")
+    if path == "auto":
+        return "masked" if mask is not None else "chunked"
+    return path
+
+
+class _Aux:
+    """Device-side decay and mask for one call (float32, converted once, never broadcast)."""
+
+    def __init__(self, p, mask: Any, decay: Any) -> None:
+        import cupy
+
+        self.dummy = cupy.zeros(1, dtype=np.float32)
+        self.has_decay = _i32(decay is not None)
+        self.decay = cupy.ascontiguousarray(decay, dtype=np.float32) if decay is not None else self.dummy
+        self.has_mask = _i32(mask is not None)
+        # A broadcast view of the mask: dims it broadcasts along get stride 0.
+        self.mask = (
+            cupy.broadcast_to(mask.astype(np.float32, copy=False), p.full_shape) if mask is not None else None
+        )
+
+
+def _mask_args(m4: Any | None, aux: _Aux) -> tuple:
+    if m4 is None:
+        return (aux.dummy, _i64(0), _i64(0), _i64(0), _i64(0), aux.has_mask)
+    return (m4, *(_i64(s // 4) for s in m4.strides), aux.has_mask)
+
+
+# ---------------------------------------------------------------------------- chunked
+
+
+def _states(x4: Any, y4: Any, g: plans.LinearGeometry, aux: _Aux, cp: plans.ChunkedPlan) -> Any:
+    """The per-chunk states after the scan: S_c (rev=False, from K, V) or R_c (rev=True, from Q, dO)."""
+    import cupy
+
+    u = cupy.empty(cp.state_shape, dtype=np.float32)
+    nrows = g.nq if cp.rev else g.nk
+    row_off = g.off if (cp.rev and g.causal) else 0
+    _launch(
+        cp.state,
+        (*_tensor(x4), *_tensor(y4), u, aux.decay, aux.has_decay, _i32(g.hq), _i32(g.group), _i32(nrows),
+         _i32(row_off), _i32(cp.state_chunks), _i32(g.d), _i32(cp.rev)),
+    )
+    dd = g.d * g.d
+    _launch(
+        cp.scan,
+        (u, _i32(cp.state_chunks), _i32(dd), _i32(plans.cdiv(dd, plans.THREADS)), aux.decay, aux.has_decay,
+         _i32(g.hq), _i32(cp.scan_mode)),
+    )
+    return u
+
+
+def _chunk_out(x4, y4, z4, o4, states, s_trans: bool, g, aux: _Aux, cp: plans.ChunkedPlan, scale: float) -> None:
+    hout = g.hk if cp.rev else g.hq
+    nx, nyz = (g.nk, g.nq) if cp.rev else (g.nq, g.nk)
+    s_bh = cp.state_chunks * g.d * g.d
+    _launch(
+        cp.out,
+        (*_tensor(x4), *_tensor(y4), *_tensor(z4), *_tensor(o4), states, _i64(s_bh), _i64(cp.state_chunk_stride),
+         _i32(s_trans), aux.decay, aux.has_decay, _i32(hout), _i32(g.hq), _i32(g.group), _i32(nx), _i32(nyz),
+         _i32(cp.out_chunks), _i32(g.d), _i32(g.off), _i32(g.causal), _i32(cp.rev), np.float32(scale)),
+    )
+
+
+# ---------------------------------------------------------------------------- masked
+
+
+def _masked(x4, y4, z4, o4, m4, g, aux: _Aux, rev: bool, scale: float, dmask=None) -> None:
+    """One pass of linear_masked; ``dmask`` = (q4, k4, dm4) accumulates the mask gradient."""
+    plan = plans.masked_plan(g, rev, dmask is not None)
+    if dmask is None:
+        q4, k4 = x4, y4
+        dm_args = (aux.dummy, _i64(0), _i64(0), _i64(0), _i64(0))
+    else:
+        q4, k4, dm4 = dmask
+        dm_args = (dm4, *(_i64(s // 4) for s in dm4.strides))
+    hout = g.hk if rev else g.hq
+    _launch(
+        plan,
+        (*_tensor(x4), *_tensor(y4), *_tensor(z4), *_tensor(o4), *_mask_args(m4, aux), *_tensor(q4), *_tensor(k4),
+         *dm_args, aux.decay, aux.has_decay, _i32(hout), _i32(g.hq), _i32(g.group), _i32(g.nq), _i32(g.nk),
+         _i32(plans.masked_tiles(g, rev)), _i32(g.d), _i32(g.off), _i32(g.causal), _i32(rev), np.float32(scale)),
+    )
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _outputs(shapes_like: tuple[Any, ...], dtype: np.dtype, out: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """Fresh outputs, or the caller's (tests pass NaN-filled ones to catch unwritten elements)."""
+    import cupy
+
+    if out is None:
+        return tuple(cupy.empty(x.shape, dtype=dtype) for x in shapes_like)
+    for o, x in zip(out, shapes_like):
+        if o.shape != x.shape or o.dtype != dtype:
+            raise ValueError(f"out array {o.shape} {o.dtype} does not match {x.shape} {dtype}")
+    return tuple(out)
+
+
+def forward(q: Any, k: Any, v: Any, mask: Any, decay: Any, p, path: str = "auto", out: Any = None,
+            tensor_cores: bool | None = None) -> Any:
+    """o for checked CuPy inputs (a ``linear_api.LinearProblem`` p); ``out`` receives o if given."""
+    from .._layout import batch_views, unit_last_stride
+
+    which = _choose(p, mask, path)
+    tc = _tensor_cores(p, tensor_cores)
+    b = p.base
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
+    (o,) = _outputs((q,), b.dtype, None if out is None else (out,))
+    if o.size == 0:
+        return o
+    if b.nk == 0 or k.size == 0:
+        o.fill(0)
+        return o
+    aux = _Aux(p, mask, decay)
+    if which == "masked":
+        arrays = (q, k, v, o) + ((aux.mask,) if aux.mask is not None else ())
+        for views in batch_views(arrays, b.batch):
+            q4, k4, v4, o4 = views[:4]
+            m4 = views[4] if aux.mask is not None else None
+            _masked(q4, k4, v4, o4, m4, _geometry(q4, p, tc), aux, False, b.scale)
+        return o
+    for q4, k4, v4, o4 in batch_views((q, k, v, o), b.batch):
+        g = _geometry(q4, p, tc)
+        cp = plans.chunked_plan(g, rev=False)
+        s = _states(k4, v4, g, aux, cp)
+        _chunk_out(q4, k4, v4, o4, s, False, g, aux, cp, b.scale)
+    if b.causal and b.nq > b.nk:
+        o[..., : b.nq - b.nk, :] = 0  # query rows before the first key see nothing
+    return o
+
+
+def backward(do: Any, q: Any, k: Any, v: Any, mask: Any, decay: Any, p, mask_grad: bool = False,
+             path: str = "auto", out: tuple[Any, Any, Any] | None = None,
+             tensor_cores: bool | None = None) -> tuple[Any, ...]:
+    """(dq, dk, dv[, dmask]) for checked CuPy inputs; ``out`` receives (dq, dk, dv) if given."""
+    import cupy
+
+    from .._layout import batch_views, unit_last_stride
+    from ..linear_api import dmask_dtype
+
+    which = _choose(p, mask, path)
+    tc = _tensor_cores(p, tensor_cores)
+    b = p.base
+    do, q, k, v = (unit_last_stride(x) for x in (do, q, k, v))
+    dq, dk, dv = _outputs((q, k, v), b.dtype, out)
+    dm = cupy.zeros(p.mask_shape, dtype=np.float32) if mask_grad else None
+    if dq.size == 0 or dk.size == 0:
+        for x in (dq, dk, dv):
+            x.fill(0)
+        return (dq, dk, dv) + ((dm.astype(dmask_dtype(p.mask_dtype)),) if mask_grad else ())
+    aux = _Aux(p, mask, decay)
+    if which == "masked":
+        extra = []
+        if aux.mask is not None:
+            extra.append(aux.mask)
+        if mask_grad:
+            extra.append(cupy.broadcast_to(dm, p.full_shape))  # atomics through stride-0 dims sum them
+        for views in batch_views((do, q, k, v, dq, dk, dv, *extra), b.batch):
+            do4, q4, k4, v4, dq4, dk4, dv4 = views[:7]
+            m4 = views[7] if aux.mask is not None else None
+            g = _geometry(q4, p, tc)
+            dmask = (q4, k4, views[-1]) if mask_grad else None
+            _masked(do4, v4, k4, dq4, m4, g, aux, False, b.scale, dmask)
+            _masked(v4, do4, q4, dk4, m4, g, aux, True, b.scale)
+            _masked(k4, q4, do4, dv4, m4, g, aux, True, b.scale)
+        out = (dq, dk, dv)
+        return out + ((dm.astype(dmask_dtype(p.mask_dtype)),) if mask_grad else ())
+    for do4, q4, k4, v4, dq4, dk4, dv4 in batch_views((do, q, k, v, dq, dk, dv), b.batch):
+        g = _geometry(q4, p, tc)
+        fwd = plans.chunked_plan(g, rev=False)
+        s = _states(k4, v4, g, aux, fwd)
+        _chunk_out(do4, v4, k4, dq4, s, True, g, aux, fwd, b.scale)
+        del s
+        rev = plans.chunked_plan(g, rev=True)
+        r = _states(q4, do4, g, aux, rev)
+        _chunk_out(v4, do4, q4, dk4, r, True, g, aux, rev, b.scale)
+        _chunk_out(k4, q4, do4, dv4, r, False, g, aux, rev, b.scale)
+    if b.causal and b.nq > b.nk:
+        dq[..., : b.nq - b.nk, :] = 0
+    return dq, dk, dv
