@@ -329,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) linear_state_scan(float* 
 // S_c is read as S[d][n] (s_trans = 0) or S[n][d] (s_trans = 1).
 // Grid: x = (b * Hout + ho) * nchunks + c, y = column block.
 template <typename T, int DV, bool TC>
-__global__ void __launch_bounds__(kThreads, DV == 64 ? 3 : 2) linear_chunk_out(
+__global__ void __launch_bounds__(kThreads, (DV == 64 && TC) ? 3 : 2) linear_chunk_out(
     const T* __restrict__ X, long long xsb, long long xsh, long long xsn, const T* __restrict__ Y, long long ysb,
     long long ysh, long long ysn, const T* __restrict__ Z, long long zsb, long long zsh, long long zsn,
     T* __restrict__ O, long long osb, long long osh, long long osn, const float* __restrict__ S, long long s_bh,

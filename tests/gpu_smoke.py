@@ -45,7 +45,8 @@ def main() -> int:
                 v = cupy.asarray(rng.standard_normal((1, 1, 37, 32)).astype(dtype))
                 m = None if mask is None else cupy.asarray(rng.random((37, 37)))
                 o = linear_attention_forward(q, k, v, causal=True, mask=m)
-                grads = linear_attention_backward(cupy.ones_like(o) * 0.5, q, k, v, causal=True, mask=m)
+                do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
+                grads = linear_attention_backward(do, q, k, v, causal=True, mask=m)
                 finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
                 print(f"linear   {str(dtype):8s} mask={mask}: {'ok' if finite else 'NON-FINITE'}")
                 bad += not finite
