@@ -71,7 +71,7 @@ def main() -> None:
 
     import cupyflash.linear_api as cf
     from cupyflash import _dtypes
-    from cupyflash._timing import CachePlan, CupyClock, measure
+    from cupyflash.bench.timing import CachePlan, CupyClock, measure
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])

@@ -8,7 +8,7 @@ own statistics are wall times of a target that synchronises the device after eac
 (so they include a few microseconds of launch and sync overhead); the CUDA-event median and
 the TFLOP/s it gives are in ``extra_info`` (``median_ms_cuda``, ``tflops``), which is what
 ``python -m cupyflash.bench`` reports. Inputs are random normal, shared with torch by DLPack,
-rotated or L2-flushed between rounds exactly as in the CLI (see ``cupyflash._timing``).
+rotated or L2-flushed between rounds exactly as in the CLI (see ``cupyflash.bench.timing``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from cupyflash import _timing, bench
+from cupyflash import bench
+from cupyflash.bench import timing
 
 IMPLS = ("cupyflash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 PASSES = ("fwd", "bwd")
@@ -38,10 +39,10 @@ class _Inputs:
     def __init__(self) -> None:
         self.shape: bench.Shape | None = None
         self.sets: list[bench.InputSet] = []
-        self.plan = _timing.CachePlan(1, 0)
+        self.plan = timing.CachePlan(1, 0)
         self.opts = bench.parse_args(["--compare", "none"], has_torch=False)
 
-    def get(self, shape: bench.Shape) -> tuple[list[bench.InputSet], _timing.CachePlan]:
+    def get(self, shape: bench.Shape) -> tuple[list[bench.InputSet], timing.CachePlan]:
         if shape != self.shape:
             import cupy
 
@@ -101,15 +102,15 @@ def test_attention(benchmark: Any, inputs: _Inputs, case: tuple[bench.Shape, str
             clock.synchronize()
             args, _ = setup()
             target(*args)
-            rounds = _timing.plan_runs(times[-1], runs=RUNS, min_runs=MIN_RUNS, max_seconds=MAX_SECONDS)
-            warm = _timing.plan_warmup(times[-1], warmup=WARMUP, sets=n_sets, max_seconds=MAX_SECONDS)
+            rounds = timing.plan_runs(times[-1], runs=RUNS, min_runs=MIN_RUNS, max_seconds=MAX_SECONDS)
+            warm = timing.plan_warmup(times[-1], warmup=WARMUP, sets=n_sets, max_seconds=MAX_SECONDS)
             times.clear()
             benchmark.pedantic(target, setup=setup, rounds=rounds, warmup_rounds=warm, iterations=1)
     finally:
         del prepared
         clock.synchronize()
     timed = times[-rounds:]
-    median = _timing.median_ms(timed)
+    median = timing.median_ms(timed)
     benchmark.extra_info.update(
         impl=impl,
         pass_=pass_,
@@ -121,7 +122,7 @@ def test_attention(benchmark: Any, inputs: _Inputs, case: tuple[bench.Shape, str
         causal=shape.causal,
         flops=flops,
         median_ms_cuda=median,
-        tflops=_timing.tflops(flops, median),
+        tflops=timing.tflops(flops, median),
         input_sets=n_sets,
         l2_flushed=flush is not None,
     )

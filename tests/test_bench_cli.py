@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import HAS_GPU, requires_gpu
 
-from cupyflash import _timing, bench
-from cupyflash.bench import Record, Shape
+from cupyflash import bench
+from cupyflash.bench import Record, Shape, timing
 
 # ---------------------------------------------------------------------------- arguments
 
@@ -191,27 +191,27 @@ L2 = 50 * 2**20
 
 
 def test_cache_plan_rotates_small_sets_and_flushes_tiny_ones():
-    assert _timing.plan_cache_defeat(256 * 2**20, L2) == _timing.CachePlan(1, 0)  # evicts itself
-    assert _timing.plan_cache_defeat(2 * L2, L2) == _timing.CachePlan(1, 0)
-    p = _timing.plan_cache_defeat(50 * 2**20, L2)  # the llm.c N=1024 fp32 case
-    assert p == _timing.CachePlan(3, 0)
+    assert timing.plan_cache_defeat(256 * 2**20, L2) == timing.CachePlan(1, 0)  # evicts itself
+    assert timing.plan_cache_defeat(2 * L2, L2) == timing.CachePlan(1, 0)
+    p = timing.plan_cache_defeat(50 * 2**20, L2)  # the llm.c N=1024 fp32 case
+    assert p == timing.CachePlan(3, 0)
     assert (p.sets - 1) * 50 * 2**20 >= 2 * L2  # the others push a set out between its uses
-    assert _timing.plan_cache_defeat(2**20, L2) == _timing.CachePlan(1, 2 * L2)
-    assert _timing.plan_cache_defeat(30 * 2**20, L2, max_sets=4) == _timing.CachePlan(1, 2 * L2)
+    assert timing.plan_cache_defeat(2**20, L2) == timing.CachePlan(1, 2 * L2)
+    assert timing.plan_cache_defeat(30 * 2**20, L2, max_sets=4) == timing.CachePlan(1, 2 * L2)
     with pytest.raises(ValueError):
-        _timing.plan_cache_defeat(0, L2)
+        timing.plan_cache_defeat(0, L2)
 
 
 def test_run_and_warmup_counts():
-    assert _timing.plan_runs(0.1, runs=30, min_runs=5, max_seconds=1.0) == 30
-    assert _timing.plan_runs(100.0, runs=30, min_runs=5, max_seconds=1.0) == 10
-    assert _timing.plan_runs(5000.0, runs=30, min_runs=5, max_seconds=1.0) == 5
-    assert _timing.plan_runs(5000.0, runs=3, min_runs=5, max_seconds=1.0) == 3
-    assert _timing.plan_warmup(0.1, warmup=3, sets=1, max_seconds=1.0) == 3
-    assert _timing.plan_warmup(2000.0, warmup=3, sets=1, max_seconds=1.0) == 1
-    assert _timing.plan_warmup(2000.0, warmup=3, sets=4, max_seconds=1.0) == 4  # touch every set
-    assert _timing.median_ms([3.0, 1.0, 2.0, 100.0]) == 2.5
-    assert math.isclose(_timing.tflops(1e12, 1000.0), 1.0)
+    assert timing.plan_runs(0.1, runs=30, min_runs=5, max_seconds=1.0) == 30
+    assert timing.plan_runs(100.0, runs=30, min_runs=5, max_seconds=1.0) == 10
+    assert timing.plan_runs(5000.0, runs=30, min_runs=5, max_seconds=1.0) == 5
+    assert timing.plan_runs(5000.0, runs=3, min_runs=5, max_seconds=1.0) == 3
+    assert timing.plan_warmup(0.1, warmup=3, sets=1, max_seconds=1.0) == 3
+    assert timing.plan_warmup(2000.0, warmup=3, sets=1, max_seconds=1.0) == 1
+    assert timing.plan_warmup(2000.0, warmup=3, sets=4, max_seconds=1.0) == 4  # touch every set
+    assert timing.median_ms([3.0, 1.0, 2.0, 100.0]) == 2.5
+    assert math.isclose(timing.tflops(1e12, 1000.0), 1.0)
 
 
 class FakeClock:
@@ -248,7 +248,7 @@ class FakeClock:
 
 def test_measure_rotates_sets_and_never_repeats_one_back_to_back():
     clock = FakeClock(ms_per_call=1.0)
-    t = _timing.measure(clock.call, clock, plan=_timing.CachePlan(3, 0), warmup=3, runs=9, min_runs=2)
+    t = timing.measure(clock.call, clock, plan=timing.CachePlan(3, 0), warmup=3, runs=9, min_runs=2)
     calls = [int(x[4:]) for x in clock.log if x.startswith("call")]
     assert all(a != b for a, b in zip(calls, calls[1:]))
     assert t.runs == 9 and t.sets == 3 and not t.flushed
@@ -259,7 +259,7 @@ def test_measure_rotates_sets_and_never_repeats_one_back_to_back():
 
 def test_measure_flushes_before_each_timed_call_and_caps_runs_by_time():
     clock = FakeClock(ms_per_call=400.0)
-    t = _timing.measure(clock.call, clock, plan=_timing.CachePlan(1, 1234), runs=30, min_runs=2, max_seconds=1.0)
+    t = timing.measure(clock.call, clock, plan=timing.CachePlan(1, 1234), runs=30, min_runs=2, max_seconds=1.0)
     assert t.runs == 2 and t.flushed  # 400 ms per call: 2 fit the 1 s cap (min_runs 2)
     log = clock.log
     # Every timed call (the estimate and the runs) is flush, start event, call, end event:

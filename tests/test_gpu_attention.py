@@ -104,10 +104,12 @@ def check_case(kernel, dtype_name, b, hq, hk, nq, nk, d, causal, rng, scale=None
     errs = [rel_err(x, r) for x, r in zip((o, dq, dk, dv), ref)]
     names = ["o", "dq", "dk", "dv"]
     if nk == 1:
-        # One key: P = 1 and dP = Delta, so dQ is exactly zero and the float64 reference holds
-        # only rounding noise; a relative error means nothing there. Check dQ is tiny instead.
-        assert np.abs(dq.astype(np.float64)).max() <= TOL_GRAD[dtype_name], f"{kernel} {dtype_name} dq not ~0"
-        names, errs, bounds = names[::2] + names[3:], errs[::2] + errs[3:], bounds[::2] + bounds[3:]
+        # One key: P = 1 and dP = Delta, so dS = 0 and dQ, dK are exactly zero; the float64
+        # reference holds only rounding noise, where a relative error means nothing. Check
+        # that dQ and dK are tiny instead, and o and dV against the reference as usual.
+        for name, g in (("dq", dq), ("dk", dk)):
+            assert np.abs(g.astype(np.float64)).max() <= TOL_GRAD[dtype_name], f"{kernel} {dtype_name} {name} not ~0"
+        names, errs, bounds = names[::3], errs[::3], bounds[::3]
     for name, e, bound in zip(names, errs, bounds):
         assert e <= bound, f"{kernel} {dtype_name} {name}: rel err {e:.3g} > {bound:.3g}"
     # lse: -inf exactly where the reference has it, close elsewhere.

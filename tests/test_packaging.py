@@ -1,6 +1,7 @@
 """The built wheel ships the CUDA sources, and the installed package finds them."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,8 +23,11 @@ def test_source_dir_holds_every_kernel_source():
 def test_wheel_contains_cuda_src(tmp_path):
     pytest.importorskip("setuptools")
     pytest.importorskip("wheel")
+    # Build from a clean copy: an in-tree build/ folder could leak stale files into the wheel.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns("build", "*.egg-info", ".git", ".snap", "__pycache__"))
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
         capture_output=True,
         text=True,
     )

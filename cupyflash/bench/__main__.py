@@ -1,0 +1,6 @@
+"""``python -m cupyflash.bench``."""
+import sys
+
+from .run import main
+
+sys.exit(main())

@@ -1,0 +1,258 @@
+"""The command line: argument parsing into ``Options``, suite expansion, shape filtering and
+the ``--list`` plan (pure Python, tested on the CPU; needs no GPU)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from .shapes import (
+    DTYPE_ALIASES,
+    Shape,
+    attention_flops,
+    fp32_shapes,
+    grid_shapes,
+    linear_flops,
+    linear_quick_shapes,
+    linear_shapes,
+    long_shapes,
+    quick_shapes,
+)
+
+# ---------------------------------------------------------------------------- arguments
+
+SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
+    "grid": grid_shapes,
+    "fp32": fp32_shapes,
+    "long": long_shapes,
+    "quick": quick_shapes,
+}
+LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
+SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
+DEFAULT_SUITES = {"softmax": ("grid", "fp32"), "linear": ("linear",)}
+TORCH_BACKENDS = {  # impl name -> torch.nn.attention.SDPBackend member
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+}
+KERNEL_CHOICES = ("auto", "mma", "portable")
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _dtypes(text: str) -> list[str]:
+    out = []
+    for t in _csv(text):
+        if t.lower() not in DTYPE_ALIASES:
+            raise argparse.ArgumentTypeError(f"unknown dtype {t!r}; use bf16, fp16 or fp32")
+        out.append(DTYPE_ALIASES[t.lower()])
+    return out
+
+
+def torch_importable() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cupyflash.bench",
+        description="Benchmark cupyflash attention (TFLOP/s, CUDA events, median of runs) against "
+        "naive CuPy attention and PyTorch SDPA backends on the same inputs.",
+        epilog="Examples: `python -m cupyflash.bench` (grid + fp32); "
+        "`python -m cupyflash.bench --suite quick --compare none`; "
+        "`python -m cupyflash.bench --suite grid --dtype bf16 --d 128 --kernels mma,portable --json out.json "
+        "--plot out.png`; `python -m cupyflash.bench --suite long`; `python -m cupyflash.bench --mode linear`.",
+    )
+    p.add_argument("--mode", choices=("softmax", "linear"), default="softmax", help="workload family (default softmax)")
+    p.add_argument(
+        "--suite",
+        default=None,
+        help="comma list: grid, fp32, long, quick, all (= grid,fp32,long); linear mode: linear, quick. "
+        "Default: grid,fp32 (linear mode: linear)",
+    )
+    p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
+    p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
+    p.add_argument("--n", type=_ints, default=None, help="keep only these sequence lengths")
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both", help="masking (default both)")
+    p.add_argument("--passes", default=None, help="comma list of fwd,bwd (linear: fwd,fwd+bwd); default all")
+    p.add_argument("--kernel", choices=KERNEL_CHOICES, default="auto", help="cupyflash kernel= option")
+    p.add_argument("--kernels", default=None, help="several kernel families side by side, e.g. mma,portable")
+    p.add_argument(
+        "--compare",
+        default=None,
+        help="comma list of naive, torch (all SDPA backends), sdpa-flash, sdpa-cudnn, sdpa-efficient, or none. "
+        "Default: naive,torch when torch is importable, else naive",
+    )
+    p.add_argument("--naive-budget-gb", type=float, default=8.0, help="memory for naive N x N scores (default 8)")
+    p.add_argument("--runs", type=int, default=30, help="timed runs per measurement at most (default 30)")
+    p.add_argument("--min-runs", type=int, default=5, help="timed runs at least (default 5)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    p.add_argument("--max-seconds", type=float, default=0.5, help="time cap per measurement (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", metavar="FILE", default=None, help="write every record as JSON")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="plot TFLOP/s against N (needs matplotlib)")
+    p.add_argument("--list", action="store_true", help="print the shapes that would run and exit (no GPU needed)")
+    return p
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str
+    suites: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    passes: tuple[str, ...]
+    kernels: tuple[str, ...]
+    compare: tuple[str, ...]  # impl names of the comparisons
+    naive_budget_bytes: int
+    runs: int
+    min_runs: int
+    warmup: int
+    max_seconds: float
+    seed: int
+    json: str | None
+    plot: str | None
+    list: bool
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        return tuple(cupyflash_impl_name(k, self.kernels, self.mode) for k in self.kernels) + self.compare
+
+    @property
+    def primary(self) -> str:
+        return self.impls[0]
+
+
+def cupyflash_impl_name(kernel: str, kernels: Sequence[str], mode: str = "softmax") -> str:
+    base = "cupyflash" if mode == "softmax" else "cupyflash-linear"
+    return base if list(kernels) == ["auto"] else f"{base}[{kernel}]"
+
+
+def expand_suites(text: str | None, mode: str) -> tuple[str, ...]:
+    table = SOFTMAX_SUITES if mode == "softmax" else LINEAR_SUITES
+    names = _csv(text) if text else list(DEFAULT_SUITES[mode])
+    out: list[str] = []
+    for name in names:
+        for s in SUITE_GROUPS.get(name, (name,)) if mode == "softmax" else (name,):
+            if s not in table:
+                raise ValueError(f"unknown suite {s!r} for --mode {mode}; choose from {sorted(table)}"
+                                 + (" or all" if mode == "softmax" else ""))
+            if s not in out:
+                out.append(s)
+    return tuple(out)
+
+
+def suite_shapes(suites: Iterable[str], mode: str = "softmax") -> list[Shape]:
+    table = SOFTMAX_SUITES if mode == "softmax" else LINEAR_SUITES
+    shapes: list[Shape] = []
+    for s in suites:
+        for shape in table[s]():
+            if shape not in shapes:
+                shapes.append(shape)
+    return shapes
+
+
+def filter_shapes(
+    shapes: Iterable[Shape],
+    dtypes: Sequence[str] | None = None,
+    ds: Sequence[int] | None = None,
+    ns: Sequence[int] | None = None,
+    causal: str = "both",
+) -> list[Shape]:
+    want_causal = {"0": (False,), "1": (True,), "both": (False, True)}[causal]
+    return [
+        s
+        for s in shapes
+        if (dtypes is None or s.dtype in dtypes)
+        and (ds is None or s.d in ds)
+        and (ns is None or s.n in ns)
+        and s.causal in want_causal
+    ]
+
+
+def expand_compare(text: str | None, mode: str, has_torch: bool) -> tuple[str, ...]:
+    names = _csv(text) if text else (["naive", "torch"] if has_torch and mode == "softmax" else ["naive"])
+    out: list[str] = []
+    for name in names:
+        if name == "none":
+            continue
+        if name == "naive":
+            picks = ["naive" if mode == "softmax" else "naive-linear"]
+        elif name == "torch":
+            picks = list(TORCH_BACKENDS)
+        elif name in TORCH_BACKENDS:
+            picks = [name]
+        else:
+            raise ValueError(f"unknown comparison {name!r}; use naive, torch, {', '.join(TORCH_BACKENDS)} or none")
+        if mode == "linear" and picks != ["naive-linear"]:
+            raise ValueError("--mode linear compares against naive only (SDPA has no linear attention)")
+        out += [p for p in picks if p not in out]
+    return tuple(out)
+
+
+def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = None) -> Options:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    has_torch = torch_importable() if has_torch is None else has_torch
+    try:
+        suites = expand_suites(a.suite, a.mode)
+        compare = expand_compare(a.compare, a.mode, has_torch)
+    except ValueError as e:
+        parser.error(str(e))
+    if not has_torch and any(c in TORCH_BACKENDS for c in compare):
+        parser.error("--compare torch needs PyTorch, which is not importable here")
+    valid_passes = ("fwd", "bwd") if a.mode == "softmax" else ("fwd", "fwd+bwd")
+    passes = tuple(_csv(a.passes)) if a.passes else valid_passes
+    for p_ in passes:
+        if p_ not in valid_passes:
+            parser.error(f"--passes: {p_!r} is not one of {valid_passes} for --mode {a.mode}")
+    kernels = tuple(_csv(a.kernels)) if a.kernels else (a.kernel,)
+    for k in kernels:
+        if k not in KERNEL_CHOICES:
+            parser.error(f"--kernels: {k!r} is not one of {KERNEL_CHOICES}")
+    if a.mode == "linear" and kernels != ("auto",):
+        parser.error("--kernel/--kernels choose softmax kernel families; linear attention has its own")
+    if a.runs < 1 or a.min_runs < 1 or a.warmup < 0 or a.max_seconds <= 0 or a.naive_budget_gb < 0:
+        parser.error("--runs/--min-runs must be >= 1, --warmup >= 0, --max-seconds > 0, --naive-budget-gb >= 0")
+    shapes = filter_shapes(suite_shapes(suites, a.mode), a.dtype, a.d, a.n, a.causal)
+    if not shapes:
+        parser.error("the filters leave no shape to run (see --list without filters)")
+    return Options(
+        mode=a.mode,
+        suites=suites,
+        shapes=tuple(shapes),
+        passes=passes,
+        kernels=kernels,
+        compare=compare,
+        naive_budget_bytes=int(a.naive_budget_gb * 2**30),
+        runs=a.runs,
+        min_runs=a.min_runs,
+        warmup=a.warmup,
+        max_seconds=a.max_seconds,
+        seed=a.seed,
+        json=a.json,
+        plot=a.plot,
+        list=a.list,
+    )
+
+
+def format_plan(opts: Options) -> str:
+    flops = WORKLOAD_FLOPS[opts.mode]
+    lines = [f"mode {opts.mode}, suites {','.join(opts.suites)}, passes {','.join(opts.passes)}, "
+             f"implementations {', '.join(opts.impls)}"]
+    for s in opts.shapes:
+        gf = ", ".join(f"{p} {flops(s.b, s.h, s.n, s.n, s.d, s.causal, p) / 1e9:.1f} GFLOP" for p in opts.passes)
+        lines.append(f"  {s.label}: {gf}" + ("  [+ memory check]" if s.check_memory else ""))
+    return "\n".join(lines)
+
+
+WORKLOAD_FLOPS: dict[str, Callable[..., float]] = {"softmax": attention_flops, "linear": linear_flops}

@@ -1,0 +1,88 @@
+"""Linear attention implementations: cupyflash's (when this build has it) and a naive
+masked-matmul CuPy one, as ``prepare`` functions like the softmax ones."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+from .cli import Options
+from .impls import Impl, InputSet, Prepared, Unavailable
+from .shapes import Shape, fmt_bytes, heads_per_chunk, naive_linear_head_bytes
+
+
+# ---------------------------------------------------------------------------- linear impls
+
+
+def find_linear() -> tuple[Callable | None, Callable | None]:
+    """cupyflash's linear attention forward and backward, if this build has them (exported
+    at the top level, or in ``cupyflash.linear_api``)."""
+    import cupyflash
+
+    mod: Any = cupyflash
+    if getattr(mod, "linear_attention_forward", None) is None:
+        try:
+            mod = importlib.import_module("cupyflash.linear_api")
+        except ImportError:
+            return None, None
+    fwd = getattr(mod, "linear_attention_forward", None) or getattr(mod, "linear_attention", None)
+    return fwd, getattr(mod, "linear_attention_backward", None)
+
+
+def cupyflash_linear_impl(kernel: str) -> Impl:
+    def prepare(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
+        fwd, bwd = find_linear()
+        if fwd is None:
+            raise Unavailable("cupyflash has no linear_attention in this build")
+        if pass_ == "fwd":
+            return Prepared(lambda i: fwd(sets[i].q, sets[i].k, sets[i].v, causal=True), "cupy")
+        if bwd is None:
+            raise Unavailable("cupyflash has no linear_attention_backward in this build")
+
+        def fwd_bwd(i: int) -> Any:
+            s = sets[i]
+            fwd(s.q, s.k, s.v, causal=True)
+            return bwd(s.do, s.q, s.k, s.v, causal=True)
+
+        return Prepared(fwd_bwd, "cupy")
+
+    return prepare
+
+
+def naive_linear(q: Any, k: Any, v: Any, do: Any | None, chunk: int) -> Any:
+    """o = ((q k^T) * M) v with M the causal 0/1 mask, and with ``do`` its gradients
+    (dA = (dO v^T) * M, dq = dA k, dk = dA^T q, dv = A^T dO), ``chunk`` heads at a time."""
+    import cupy
+
+    b, h, n, d = q.shape
+    q3, k3, v3 = (x.reshape(b * h, n, d) for x in (q, k, v))
+    do3 = None if do is None else do.reshape(b * h, n, d)
+    mask = cupy.tri(n, n, 0, dtype=cupy.float32).astype(q.dtype)  # 1 where j <= i
+    out = cupy.empty_like(q3)
+    grads = None if do is None else tuple(cupy.empty_like(x) for x in (q3, k3, v3))
+    for s in range(0, b * h, chunk):
+        e = min(b * h, s + chunk)
+        A = cupy.matmul(q3[s:e], k3[s:e].transpose(0, 2, 1))
+        A *= mask
+        out[s:e] = cupy.matmul(A, v3[s:e])
+        if do3 is not None and grads is not None:
+            dA = cupy.matmul(do3[s:e], v3[s:e].transpose(0, 2, 1))
+            dA *= mask
+            grads[0][s:e] = cupy.matmul(dA, k3[s:e])
+            grads[1][s:e] = cupy.matmul(dA.transpose(0, 2, 1), q3[s:e])
+            grads[2][s:e] = cupy.matmul(A.transpose(0, 2, 1), do3[s:e])
+            del dA
+        del A
+    return out if grads is None else (out, grads)
+
+
+def naive_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
+    backward = pass_ != "fwd"
+    head = naive_linear_head_bytes(shape.n, shape.itemsize, backward)
+    mask = shape.n * shape.n * shape.itemsize
+    chunk = heads_per_chunk(head, mask, opts.naive_budget_bytes)
+    if chunk == 0:
+        raise Unavailable(f"one head's N x N matrices need {fmt_bytes(head + mask)} > budget "
+                          f"{fmt_bytes(opts.naive_budget_bytes)}; raise --naive-budget-gb")
+    return Prepared(
+        lambda i: naive_linear(sets[i].q, sets[i].k, sets[i].v, sets[i].do if backward else None, chunk), "cupy"
+    )
