@@ -11,14 +11,15 @@
 //   dK_j += dS^T Q_i          dQ_i += dS K_j           (scale applied once at the end)
 // Warp w owns keys [16 (w % kKeyWarps), +16) of K_j and the d-slice w / kKeyWarps of dK_j/dV_j
 // (kDSplit > 1 trades recomputing S^T/dP^T for registers at large head dims). dS^T goes
-// through shared memory once so that dQ_i can be split over warps by query rows.
+// through shared memory once so that dQ_i can be split over warps by query rows. kDPChunks > 1
+// computes dP^T (and dS^T, dK_j) in query chunks so that large Br fits in 255 registers.
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
-template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks>
+template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     mma_flash_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -27,12 +28,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
                   long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
                   long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
                   long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
-                  float scale, float scale_log2, int causal) {
+                  float scale, float scale_log2, int causal, int heads_on_x) {
   constexpr int kWarps = kKeyWarps * kDSplit;
   constexpr int kThreads = kWarps * 32;
   constexpr int Bc = 16 * kKeyWarps;
   constexpr int kDS = D / kDSplit;  // dK/dV columns per warp
   constexpr int kNQ = Br / 8;       // n8 tiles of S^T (queries) per warp
+  constexpr int kNC = kNQ / kDPChunks;  // n8 tiles of dP^T per chunk
   // dQ_i = dS K_j: warps tile Br x D as kQRowWarps strips of 16 rows by kQColWarps column blocks.
   constexpr int kQRowWarps = (Br / 16) < kWarps ? (Br / 16) : kWarps;
   constexpr int kQColWarps = kWarps / kQRowWarps;
@@ -40,6 +42,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   constexpr int kDQ = D / kQColWarps;
   static_assert(kDS % 16 == 0 && kDQ % 16 == 0 && Br % 16 == 0, "tile shape");
   static_assert(kWarps % kQRowWarps == 0 && Br / 16 % kQRowWarps == 0, "dQ warp tiling");
+  static_assert(kNQ % (2 * kDPChunks) == 0, "dP^T chunks are whole k16 blocks of queries");
   static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
   using L = TileLayout<D>;
   using LS = TileLayout<Br>;  // dS^T: Bc rows (keys) x Br columns (queries)
@@ -54,9 +57,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
 
   const int hk_count = hq / group;
-  const int b = blockIdx.x / hk_count;
-  const int hkv = blockIdx.x % hk_count;
-  const int j0 = blockIdx.y * Bc;
+  // heads_on_x: grid (B*Hk, key tiles), heads fastest, so under causal the first key tiles (the most
+  // query tiles) of every head go first. Otherwise grid (key tiles, B*Hk): the blocks of one kv head run
+  // together and its Q_i/dO_i reads and dQ atomics stay in L2.
+  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;
+  const int b = bhk / hk_count;
+  const int hkv = bhk % hk_count;
+  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int kw = warp % kKeyWarps;
@@ -81,25 +88,28 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     hh = hkv * group + it / per_head;
     i0 = (m_start + it % per_head) * Br;
   };
+  // The loop's loads recompute their addresses from opaque copies of b and threadIdx.x (see opaque()).
   auto load_q_do = [&](int it, int buf) {
     int hh, i0;
     tile_of(it, hh, i0);
-    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + b * q_sb + hh * q_sh + i0 * q_sn, q_sn,
-                                        nq - i0, d);
-    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + b * do_sb + hh * do_sh + i0 * do_sn,
-                                        do_sn, nq - i0, d);
+    const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + i0 * q_sn, q_sn,
+                                        nq - i0, d, tid);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + i0 * do_sn,
+                                        do_sn, nq - i0, d, tid);
   };
   // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
   // Q and dO rows are zeros, so they contribute nothing whatever P is).
   auto load_stats = [&](int it, int buf) {
     int hh, i0;
     tile_of(it, hh, i0);
-    const int r = static_cast<int>(threadIdx.x);
+    const int r = opaque(static_cast<int>(threadIdx.x));
     if (r < Br) {
+      const int bo = opaque(b);
       const int i = min(i0 + r, nq - 1);
       const int nbytes = i0 + r < nq ? 4 : 0;
-      cp_async_4(smem_u32(sLse + buf * Br + r), lse + b * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
-      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(b) * hq + hh) * nq + i, nbytes);
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(bo) * hq + hh) * nq + i, nbytes);
     }
   };
 
@@ -111,8 +121,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   }
 
   if (total > 0) {
-    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d);
-    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d);
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d, threadIdx.x);
     load_q_do(0, 0);
     load_stats(0, 0);
   }
@@ -126,13 +136,10 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     cp_async_commit();
   }
 
-  const LdmRows<D> kv_a(16 * kw + (lane & 15), lane >> 4);                      // A of K Q^T, V dO^T
-  const LdmRows<D> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);        // B of K Q^T, V dO^T
-  const LdmRows<D> qt_b(lane & 15, 2 * (dw * kDS / 16) + (lane >> 4));           // B of P^T dO, dS^T Q
-  const int qs = warp % kQRowWarps;                                               // dQ: strip group
-  const int qc = warp / kQRowWarps;                                               // dQ: column block
-  const LdmRows<Br> ds_a((lane >> 4) * 8 + (lane & 7), 2 * (qs * kQStrips) + ((lane >> 3) & 1));  // A of dS K
-  const LdmRows<D> kt_b(lane & 15, 2 * (qc * kDQ / 16) + (lane >> 4));           // B of dS K (.trans)
+  // ldmatrix rows: one register each where the warp's first chunk is a multiple of 8 (see LdmRows).
+  const LdmRows<D, true> kv_a(16 * kw + (lane & 15), lane >> 4);                // A of K Q^T, V dO^T
+  const LdmRows<D, true> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of K Q^T, V dO^T
+  const LdmRows<D, kDSplit == 1 || kDS % 64 == 0> qt_b(lane & 15, 2 * (dw * kDS / 16) + (lane >> 4));  // B of P^T dO, dS^T Q
   const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sdS_u = smem_u32(sdS);
   const int key_w = j0 + 16 * kw;  // first key of this warp
 
@@ -152,8 +159,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     }
     const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
     const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
-    const float* lse_b = sLse + buf * Br;
-    const float* delta_b = sDelta + buf * Br;
+    const int quad2 = (opaque(static_cast<int>(threadIdx.x)) & 3) * 2;  // this lane's query pair
+    const float* lse_b = sLse + buf * Br + quad2;
+    const float* delta_b = sDelta + buf * Br + quad2;
 
     // S^T = K_j Q_i^T -> P^T.
     float pt[kNQ][4];
@@ -165,11 +173,11 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
-      ldmatrix_x4(a, sK_u + kv_a.at(ks));
+      ldmatrix_x4(a, kv_a.at(sK_u, ks));
 #pragma unroll
       for (int n2 = 0; n2 < kNQ / 2; ++n2) {
         uint32_t bq[4];
-        ldmatrix_x4(bq, sQ_u + qn_b.at(ks, n2 * 16));
+        ldmatrix_x4(bq, qn_b.at(sQ_u, ks, n2 * 16));
         mma_16816<T>(pt[2 * n2], a, bq[0], bq[1]);
         mma_16816<T>(pt[2 * n2 + 1], a, bq[2], bq[3]);
       }
@@ -181,7 +189,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
     for (int n = 0; n < kNQ; ++n) {
       // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
-      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8 + (lane & 3) * 2);
+      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
       const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
                                     ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
       pt[n][0] = fast_exp2(fmaf(pt[n][0], c, -l2.x));
@@ -201,69 +209,81 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
       for (int n2 = 0; n2 < kDS / 16; ++n2) {
         uint32_t bo[4];
-        ldmatrix_x4_trans(bo, sdO_u + qt_b.at(n2, kq * 16));
+        ldmatrix_x4_trans(bo, qt_b.at(sdO_u, n2, kq * 16));
         mma_16816<T>(acc_dv[2 * n2], a, bo[0], bo[1]);
         mma_16816<T>(acc_dv[2 * n2 + 1], a, bo[2], bo[3]);
       }
     }
 
-    // dP^T = V_j dO_i^T, then dS^T = P^T (dP^T - Delta), kept in pt.
-    {
-      float dpt[kNQ][4];
+    // dP^T = V_j dO_i^T, dS^T = P^T (dP^T - Delta), dK_j += dS^T Q_i, one chunk of kNC query tiles at a
+    // time: only one chunk of dP^T is ever live next to P^T and dK_j/dV_j (which is what lets Br = 64
+    // at D = 128 stay off the stack), at the price of re-reading the V_j fragments once per chunk.
 #pragma unroll
-      for (int n = 0; n < kNQ; ++n) {
+    for (int ch = 0; ch < kDPChunks; ++ch) {
+      float dpt[kNC][4];
+#pragma unroll
+      for (int n = 0; n < kNC; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
       }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t a[4];
-        ldmatrix_x4(a, sV_u + kv_a.at(ks));
+        ldmatrix_x4(a, kv_a.at(sV_u, ks));
 #pragma unroll
-        for (int n2 = 0; n2 < kNQ / 2; ++n2) {
+        for (int n2 = 0; n2 < kNC / 2; ++n2) {
           uint32_t bo[4];
-          ldmatrix_x4(bo, sdO_u + qn_b.at(ks, n2 * 16));
+          ldmatrix_x4(bo, qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16));
           mma_16816<T>(dpt[2 * n2], a, bo[0], bo[1]);
           mma_16816<T>(dpt[2 * n2 + 1], a, bo[2], bo[3]);
         }
       }
 #pragma unroll
-      for (int n = 0; n < kNQ; ++n) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8 + (lane & 3) * 2);
-        pt[n][0] *= dpt[n][0] - dl.x;
-        pt[n][1] *= dpt[n][1] - dl.y;
-        pt[n][2] *= dpt[n][2] - dl.x;
-        pt[n][3] *= dpt[n][3] - dl.y;
+      for (int n = 0; n < kNC; ++n) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta_b + (ch * kNC + n) * 8);
+        pt[ch * kNC + n][0] *= dpt[n][0] - dl.x;
+        pt[ch * kNC + n][1] *= dpt[n][1] - dl.y;
+        pt[ch * kNC + n][2] *= dpt[n][2] - dl.x;
+        pt[ch * kNC + n][3] *= dpt[n][3] - dl.y;
       }
-    }
 
-    // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
+      // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
 #pragma unroll
-    for (int kq = 0; kq < Br / 16; ++kq) {
-      uint32_t a[4];
-      a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
-      a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
-      a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
-      a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
-      if (dw == 0) {
-        const int r = 16 * kw + (lane >> 2);
-        const int e = (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
-        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
-        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
-        *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
-      }
+      for (int kc = 0; kc < kNC / 2; ++kc) {
+        const int kq = ch * kNC / 2 + kc;
+        uint32_t a[4];
+        a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
+        a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
+        a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
+        a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+        if (dw == 0) {
+          const int r = 16 * kw + (lane >> 2);
+          const int e = (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
+        }
 #pragma unroll
-      for (int n2 = 0; n2 < kDS / 16; ++n2) {
-        uint32_t bq[4];
-        ldmatrix_x4_trans(bq, sQ_u + qt_b.at(n2, kq * 16));
-        mma_16816<T>(acc_dk[2 * n2], a, bq[0], bq[1]);
-        mma_16816<T>(acc_dk[2 * n2 + 1], a, bq[2], bq[3]);
+        for (int n2 = 0; n2 < kDS / 16; ++n2) {
+          uint32_t bq[4];
+          ldmatrix_x4_trans(bq, qt_b.at(sQ_u, n2, kq * 16));
+          mma_16816<T>(acc_dk[2 * n2], a, bq[0], bq[1]);
+          mma_16816<T>(acc_dk[2 * n2 + 1], a, bq[2], bq[3]);
+        }
       }
     }
     __syncthreads();  // dS^T complete
 
-    // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator.
+    // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator. (Its lane
+    // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
+    const int tid_dq = opaque(static_cast<int>(threadIdx.x));
+    const int lane_dq = tid_dq % 32;
+    const int qs = (tid_dq / 32) % kQRowWarps;  // strip group
+    const int qc = (tid_dq / 32) / kQRowWarps;  // column block
+    const LdmRows<Br, kQRowWarps == 1 || kQStrips % 4 == 0> ds_a((lane_dq >> 4) * 8 + (lane_dq & 7),
+                                                                 2 * (qs * kQStrips) + ((lane_dq >> 3) & 1));  // A
+    const LdmRows<D, kQColWarps == 1 || kDQ % 64 == 0> kt_b(lane_dq & 15, 2 * (qc * kDQ / 16) + (lane_dq >> 4));  // B
 #pragma unroll
     for (int st = 0; st < kQStrips; ++st) {
       float acc_dq[kDQ / 8][4];
@@ -275,23 +295,23 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
       for (int ks = 0; ks < Bc / 16; ++ks) {
         uint32_t a[4];
-        ldmatrix_x4_trans(a, sdS_u + ds_a.at(st, ks * 16));
+        ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
 #pragma unroll
         for (int n2 = 0; n2 < kDQ / 16; ++n2) {
           uint32_t bk[4];
-          ldmatrix_x4_trans(bk, sK_u + kt_b.at(n2, ks * 16));
+          ldmatrix_x4_trans(bk, kt_b.at(sK_u, n2, ks * 16));
           mma_16816<T>(acc_dq[2 * n2], a, bk[0], bk[1]);
           mma_16816<T>(acc_dq[2 * n2 + 1], a, bk[2], bk[3]);
         }
       }
-      float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
+      float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int row = i0 + (qs * kQStrips + st) * 16 + (lane >> 2) + hf * 8;
+        const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
         if (row < nq) {
 #pragma unroll
           for (int n = 0; n < kDQ / 8; ++n) {
-            const int col = qc * kDQ + n * 8 + (lane & 3) * 2;
+            const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
             if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
           }
         }

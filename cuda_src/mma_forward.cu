@@ -1,8 +1,8 @@
 // FlashAttention-2 forward on tensor cores (sm_80+, fp16/bf16): mma.sync m16n8k16 fed by ldmatrix,
 // K_j/V_j streamed through a kStages-deep cp.async ring, softmax in registers.
 //
-// Block = one Q_i tile of Br rows of one (batch, query head); grid = (B*Hq, query tiles), the
-// last query tiles first so that causal blocks with the most key tiles start early.
+// Block = one Q_i tile of Br rows of one (batch, query head), last query tiles first so that causal
+// blocks with the most key tiles start early.
 // Warp w owns rows [w*16*kM, (w+1)*16*kM) of Q_i (kM m16 strips): no inter-warp reduction.
 // D is the padded head dim (template); d the true one (columns >= d are zero-filled on load and
 // never stored).
@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
                   float* __restrict__ lse, int nq, int nk, int d, int hq, int group, long long q_sb, long long q_sh,
                   long long q_sn, long long k_sb, long long k_sh, long long k_sn, long long v_sb, long long v_sh,
                   long long v_sn, long long o_sb, long long o_sh, long long o_sn, long long lse_sb, long long lse_sh,
-                  long long lse_sn, float scale_log2, int causal) {
+                  long long lse_sn, float scale_log2, int causal, int heads_on_x) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kM = Br / (16 * kWarps);  // m16 strips per warp
   constexpr int kNT = Bc / 8;             // n8 tiles of S per strip
@@ -32,11 +32,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   T* sK = sQ + Br * L::kPitch;
   T* sV = sK + kStages * Bc * L::kPitch;
 
-  const int bh = blockIdx.x;
+  // heads_on_x: grid (B*Hq, query tiles), heads fastest, so under causal every head's longest tiles
+  // go first. Otherwise grid (query tiles, B*Hq): the blocks of one head run together and share its K/V
+  // through L2 (heads fastest re-read K/V from DRAM once per query tile at short N).
+  const int bh = heads_on_x ? blockIdx.x : blockIdx.y;
+  const int q_tile = heads_on_x ? blockIdx.y : blockIdx.x;
+  const int n_qtiles = heads_on_x ? gridDim.y : gridDim.x;
   const int b = bh / hq;
   const int h = bh % hq;
   const int hk = h / group;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * Br;
+  const int q0 = (n_qtiles - 1 - q_tile) * Br;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int causal_offset = nk - nq;  // key j is visible to query i iff j <= i + causal_offset
@@ -54,13 +59,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   // Tiles run from the last (diagonal, masked) to the first, so masking happens up front.
   auto load_kv = [&](int t, int slot) {
     const int j0 = (n_tiles - 1 - t) * Bc;
-    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * L::kPitch, gK + j0 * k_sn, k_sn, nk - j0, d);
+    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * L::kPitch, gK + j0 * k_sn, k_sn, nk - j0, d, threadIdx.x);
     cp_async_commit();
-    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * L::kPitch, gV + j0 * v_sn, v_sn, nk - j0, d);
+    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * L::kPitch, gV + j0 * v_sn, v_sn, nk - j0, d, threadIdx.x);
     cp_async_commit();
   };
 
-  load_tile_async<T, D, Br, kThreads>(sQ, gQ, q_sn, nq - q0, d);  // rides in the first K group
+  load_tile_async<T, D, Br, kThreads>(sQ, gQ, q_sn, nq - q0, d, threadIdx.x);  // rides in the first K group
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_tiles) {
@@ -122,11 +127,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     for (int ks = 0; ks < kKS; ++ks) {
       uint32_t a[kM][4];
 #pragma unroll
-      for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], sQ_u + q_rows.at(ks, mi * 16));
+      for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], q_rows.at(sQ_u, ks, mi * 16));
 #pragma unroll
       for (int n2 = 0; n2 < kNT / 2; ++n2) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, sKs + k_rows.at(ks, n2 * 16));
+        ldmatrix_x4(bk, k_rows.at(sKs, ks, n2 * 16));
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
           mma_16816<T>(s[mi][2 * n2], a[mi], bk[0], bk[1]);
@@ -178,7 +183,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
       for (int n2 = 0; n2 < D / 16; ++n2) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, sVs + v_rows.at(n2, kk * 16));
+        ldmatrix_x4_trans(bv, v_rows.at(sVs, n2, kk * 16));
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
           mma_16816<T>(acc[mi][2 * n2], p[mi][kk], bv[0], bv[1]);

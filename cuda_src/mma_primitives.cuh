@@ -112,39 +112,56 @@ struct TileLayout {
   }
 };
 
-// Per-lane byte offsets of the ldmatrix rows for chunk pairs (2*ks + cb), ks = 0, 1, ...: with the
-// swizzle only ks % 4 changes the XOR pattern, so four registers cover any head dim and the rest
-// (ks / 4, and row shifts by multiples of 8) folds into the instruction's immediate offset.
-template <int D>
+// Per-lane ldmatrix row addresses for chunk pairs (2*ks + cb), ks = 0, 1, ...
+// With the swizzle, chunk c of row r sits at byte 16 * ((c % 8) ^ (r % 8)) of 128-byte group c / 8.
+// By default the four possible patterns (ks % 4) live in four registers. kXor: when cb % 8 is 0 or 1,
+// (2*ks + cb) % 8 = (2*ks % 8) ^ (cb % 8), so the lane's part stays pre-XORed in one register and the
+// ks part is a compile-time XOR of bits 4..6 plus an immediate (3 registers fewer, one LOP3 per
+// ldmatrix); this needs the tile base 128-byte aligned (every tile is: the dynamic smem base is, and
+// swizzled rows are 128-byte multiples). Which form leaves ptxas more room differs per kernel.
+template <int D, bool kXor = false>
 struct LdmRows {
   using L = TileLayout<D>;
-  uint32_t off[4];
+  static constexpr bool kFast = L::kSwizzle && kXor;
+  static constexpr int kRegs = L::kSwizzle && !kXor ? 4 : 1;
+  uint32_t off[kRegs];
   __device__ __forceinline__ LdmRows(int row, int cb) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) off[i] = static_cast<uint32_t>(L::offset(row, 2 * i + cb)) * 2u;
+    for (int i = 0; i < kRegs; ++i) off[i] = static_cast<uint32_t>(L::offset(row, 2 * i + cb)) * 2u;
   }
-  // Byte offset for chunk 2*ks + cb of (row + row_shift); row_shift must be a multiple of 8.
-  __device__ __forceinline__ uint32_t at(int ks, int row_shift = 0) const {
+  // Shared address of chunk 2*ks + cb of (row + row_shift) in the tile at base; row_shift a multiple of 8.
+  __device__ __forceinline__ uint32_t at(uint32_t base, int ks, int row_shift = 0) const {
     const uint32_t shift = static_cast<uint32_t>(row_shift * L::kPitch * 2);
-    if constexpr (L::kSwizzle) {
-      return off[ks & 3] + static_cast<uint32_t>((ks >> 2) * 128) + shift;
+    if constexpr (kFast) {
+      return ((base + off[0]) ^ static_cast<uint32_t>((2 * ks & 7) << 4)) + static_cast<uint32_t>((ks >> 2) * 128) +
+             shift;
+    } else if constexpr (L::kSwizzle) {
+      return base + off[ks & 3] + static_cast<uint32_t>((ks >> 2) * 128) + shift;
     } else {
-      return off[0] + static_cast<uint32_t>(ks * 32) + shift;
+      return base + off[0] + static_cast<uint32_t>(ks * 32) + shift;
     }
   }
 };
 
+// x, in a value the compiler cannot see through: what is computed from it inside a loop stays there
+// instead of being hoisted into registers that stay live through the loop (at 255 registers,
+// recomputing a few 64-bit addresses per step is cheaper than spilling them).
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Cooperative async load of a ROWS x D tile (D a padded head dim) from a row-strided global array.
 // Rows at or past rows_valid and columns at or past d_valid are zero-filled. The source pointer
-// stays inside the array even for zero-fill copies (rows_valid >= 1 is required).
+// stays inside the array even for zero-fill copies (rows_valid >= 1 is required). tid: threadIdx.x.
 template <typename T, int D, int ROWS, int NTHREADS>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row_stride, int rows_valid,
-                                                int d_valid) {
+                                                int d_valid, int tid) {
   using L = TileLayout<D>;
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   constexpr int kIters = (kTotal + NTHREADS - 1) / NTHREADS;
-  const int tid = static_cast<int>(threadIdx.x);
   if constexpr (NTHREADS % kChunks == 0 && kTotal % NTHREADS == 0 &&
                 (!L::kSwizzle || (NTHREADS / kChunks) % 8 == 0)) {
     // Each thread keeps one column chunk and walks down the rows: one pointer, one stride, and the

@@ -74,7 +74,7 @@ def _poisoned(shape, dtype):
     return cupy.full(shape, np.nan, dtype=dtype)
 
 
-def run_family(kernel, q, k, v, do, causal, scale):
+def run_family(kernel, q, k, v, do, causal, scale, bwd_config=None):
     """Forward and backward through one family, outputs NaN-poisoned first."""
     from cupyflash.kernels import dispatch
     from cupyflash.plans import DeviceLimits
@@ -87,16 +87,19 @@ def run_family(kernel, q, k, v, do, causal, scale):
     lse = _poisoned(qd.shape[:-1], np.float32)
     fam.forward(qd, kd, vd, o, lse, p)
     dq, dk, dv = _poisoned(qd.shape, qd.dtype), _poisoned(kd.shape, kd.dtype), _poisoned(vd.shape, vd.dtype)
-    fam.backward(dod, qd, kd, vd, o, lse, dq, dk, dv, p)
+    if bwd_config is None:
+        fam.backward(dod, qd, kd, vd, o, lse, dq, dk, dv, p)
+    else:
+        fam.backward(dod, qd, kd, vd, o, lse, dq, dk, dv, p, config=bwd_config)
     return [x.get() for x in (o, lse, dq, dk, dv)]
 
 
-def check_case(kernel, dtype_name, b, hq, hk, nq, nk, d, causal, rng, scale=None, logits=1.0):
+def check_case(kernel, dtype_name, b, hq, hk, nq, nk, d, causal, rng, scale=None, logits=1.0, bwd_config=None):
     dtype = DTYPES[dtype_name]
     q, k, v = random_qkv(rng, (b,), hq, hk, nq, nk, d, dtype, logits)
     do = rng.standard_normal(q.shape).astype(dtype)
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    o, lse, dq, dk, dv = run_family(kernel, q, k, v, do, causal, scale)
+    o, lse, dq, dk, dv = run_family(kernel, q, k, v, do, causal, scale, bwd_config)
     ro, rlse = reference.attention_forward(q, k, v, causal, scale)
     rdq, rdk, rdv = reference.attention_backward(do, q, k, v, ro, rlse, causal, scale)
     ref = [ro, rdq, rdk, rdv]
@@ -150,6 +153,16 @@ def test_large_logits(kernel, dtype_name, rng):
 def test_fully_masked_rows(kernel, dtype_name, rng):
     # Nq > Nk with the bottom-right causal mask: the first Nq - Nk rows see no key.
     check_case(kernel, dtype_name, 1, 3, 1, 150, 40, 64, True, rng)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mma_backward_fallback_tiles(dtype_name, causal, rng):
+    """The smaller backward tiles that 99 KB parts (RTX 4090) get, forced on this GPU."""
+    from cupyflash.plans.mma import BACKWARD_FALLBACKS
+
+    for d, cfg in BACKWARD_FALLBACKS.items():
+        check_case("mma", dtype_name, 2, 4, 2, 333, 517, d, causal, rng, bwd_config=cfg)
 
 
 @pytest.mark.parametrize("kernel,dtype_name", family_cases())

@@ -42,6 +42,17 @@ def test_backward_configs_fit_datacenter_parts():
             assert plans.backward_config(pd, limits) == cfg, (limits, cfg)
 
 
+def test_backward_falls_back_to_smaller_tiles_where_smem_is_short():
+    for pd, small in plans.BACKWARD_FALLBACKS.items():
+        main = plans.BACKWARD_CONFIGS[pd]
+        assert small.d == pd and small.shared_bytes < main.shared_bytes
+        limits = DeviceLimits(compute_capability=89, sm_count=128, max_shared_per_block=small.shared_bytes)
+        assert plans.backward_config(pd, limits) == small
+        assert plans.backward_config(pd, RTX4090) == (main if main.shared_bytes <= RTX4090.max_shared_per_block
+                                                      else small)  # fmt: skip
+    assert plans.backward_config(64, RTX4090) is not None  # D = 64 keeps the mma backward on 99 KB parts
+
+
 def test_backward_config_absent_where_smem_is_short():
     # 99 KB parts take the portable backward for the larger head dims (kernels.mma.backward checks).
     small = DeviceLimits(compute_capability=89, sm_count=128, max_shared_per_block=64 * 1024)
@@ -78,17 +89,25 @@ def test_plan_forward_geometry():
     plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100)
     cfg = plans.FORWARD_CONFIGS[96]
     assert plan.config == cfg
-    assert plan.main.grid == (36, cdiv(1000, cfg.br), 1)
+    assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and not plan.heads_on_x
+    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, causal=True)
+    assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
+    many = plans.plan_forward(4096, 32, 1000, 72, "__nv_bfloat16", H100)  # B*H past gridDim.y's limit
+    assert many.main.grid == (4096 * 32, cdiv(1000, cfg.br), 1) and many.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1)
     assert plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.name == f"mma_flash_fwd<__nv_bfloat16, 96, {cfg.br}, {cfg.bc}, {cfg.warps}, 2, 1>"
+    assert plan.main.name == (
+        f"mma_flash_fwd<__nv_bfloat16, 96, {cfg.br}, {cfg.bc}, {cfg.warps}, {cfg.stages}, {cfg.min_blocks}>"
+    )
     assert plan.main.source == "mma_forward.cu"
 
 
 def test_plan_backward_geometry():
     plan = plans.plan_backward(2, 8, 2, 1000, 777, 128, "__half", H100)
     cfg = plans.BACKWARD_CONFIGS[128]
-    assert plan.main.grid == (4, cdiv(777, cfg.bc), 1)
+    assert plan.main.grid == (cdiv(777, cfg.bc), 4, 1) and not plan.heads_on_x
+    causal = plans.plan_backward(2, 8, 2, 1000, 777, 128, "__half", H100, causal=True)
+    assert causal.main.grid == (4, cdiv(777, cfg.bc), 1) and causal.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1)
     assert plan.rows == 2 * 8 * 1000
     assert plan.delta.grid == (cdiv(16000, 8), 1, 1) and plan.delta.block == (256, 1, 1)

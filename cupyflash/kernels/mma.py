@@ -90,13 +90,13 @@ def forward(
         return portable.forward(q, k, v, o, lse, p)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
-    plan = plans.plan_forward(b, hq, nq, d, _ctype(p), DeviceLimits.current(), config)
+    plan = plans.plan_forward(b, hq, nq, d, _ctype(p), DeviceLimits.current(), config, causal=p.causal)
     args = (
         q, k, v, o, lse,
         np.int32(nq), np.int32(nk), np.int32(d), np.int32(hq), np.int32(p.group),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         *(np.int64(s // lse.itemsize) for s in lse.strides),
-        np.float32(p.scale * LOG2E), np.int32(p.causal),
+        np.float32(p.scale * LOG2E), np.int32(p.causal), np.int32(plan.heads_on_x),
     )  # fmt: skip
     _launch(plan.main, args)
 
@@ -117,7 +117,7 @@ def backward(
         return portable.backward(do, q, k, v, o, lse, dq, dk, dv, p)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    plan = plans.plan_backward(b, hq, hk, nq, nk, d, _ctype(p), limits, config)
+    plan = plans.plan_backward(b, hq, hk, nq, nk, d, _ctype(p), limits, config, causal=p.causal)
     delta = cupy.empty((b, hq, nq), dtype=np.float32)
     dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32)  # zeroed by the Delta kernel
     rows = np.int64(plan.rows)
@@ -129,7 +129,7 @@ def backward(
         np.int32(nq), np.int32(nk), np.int32(d), np.int32(hq), np.int32(p.group),
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         *(np.int64(s // lse.itemsize) for s in lse.strides),
-        np.float32(p.scale), np.float32(p.scale * LOG2E), np.int32(p.causal),
+        np.float32(p.scale), np.float32(p.scale * LOG2E), np.int32(p.causal), np.int32(plan.heads_on_x),
     )  # fmt: skip
     _launch(plan.main, args)
     _launch(plan.convert, (dq_accum, dq, rows, np.int32(nq), np.int32(d), np.int32(hq), *_strides(dq),

@@ -71,6 +71,7 @@ class BackwardConfig:
     d_split: int = 1
     stages: int = 2  # depth of the Q_i/dO_i cp.async ring
     min_blocks: int = 1
+    dp_chunks: int = 1  # dP^T computed in this many query chunks (fewer live registers)
 
     @property
     def bc(self) -> int:
@@ -95,7 +96,7 @@ class BackwardConfig:
     def name(self, ctype: str) -> str:
         return (
             f"mma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.key_warps}, {self.d_split}, {self.stages}, "
-            f"{self.min_blocks}>"
+            f"{self.min_blocks}, {self.dp_chunks}>"
         )
 
 
@@ -113,23 +114,44 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     256: ForwardConfig(256, br=64, bc=16, warps=4),  # bc=32 spills 4 B under NVRTC 13.0 on sm_90a
 }
 
-# One block of 8 warps per SM (dK_j/dV_j accumulators: D f32 registers per thread at kDSplit = 1);
-# D = 128 uses Br = 32 because Br = 64 spills a few bytes. A 3-deep Q_i/dO_i ring measured the same
-# as 2, and 4-warp blocks at 2 per SM were 10-20% slower.
+# One block of 8 warps per SM (dK_j/dV_j accumulators: D f32 registers per thread at kDSplit = 1).
+# D = 64 takes FlashAttention-2's Br = 128 (fewer ldmatrix per mma, half the per-step overhead of
+# Br = 64: +5-8% measured), which fits in 255 registers with dP^T in 2 query chunks (4 also fit, no
+# faster at N = 4096, 4% slower at N = 1024). D = 128 stays at Br = 32: Br = 64 with 2 chunks is 3%
+# faster at N >= 4096 but spills 4-8 B on sm_90a, and 4 chunks is no faster (benchmarks/NOTES.md).
+# A 3-deep Q_i/dO_i ring measured the same as 2, and 4-warp blocks at 2 per SM were 10-20% slower.
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     32: BackwardConfig(32, br=64, key_warps=8),
-    64: BackwardConfig(64, br=64, key_warps=8),
+    64: BackwardConfig(64, br=128, key_warps=8, dp_chunks=2),
     96: BackwardConfig(96, br=64, key_warps=8),
     128: BackwardConfig(128, br=32, key_warps=8),
     192: BackwardConfig(192, br=32, key_warps=4, d_split=2),
     256: BackwardConfig(256, br=32, key_warps=2, d_split=4),
 }
 
+# Smaller tiles for parts whose shared memory per block is short of the configuration above
+# (130 KB at D = 64): e.g. 99 KB on sm_86/sm_89, where D = 64 with Br = 64 needs 81 KB.
+BACKWARD_FALLBACKS: dict[int, BackwardConfig] = {
+    64: BackwardConfig(64, br=64, key_warps=8),
+}
+
+
+#: gridDim.y limit: B*H goes on y only up to this.
+_MAX_GRID_Y = 65535
+
+
+def _heads_on_x(causal: bool, heads: int) -> bool:
+    """Grid (B*H, tiles) -- heads fastest -- for causal, where every head's longest tiles should go first;
+    (tiles, B*H) otherwise, so that one head's blocks run together and share its K/V (forward) or
+    Q/dO and dQ lines (backward) through L2; (B*H, tiles) also when B*H overflows gridDim.y."""
+    return causal or heads > _MAX_GRID_Y
+
 
 @dataclass(frozen=True)
 class ForwardPlan:
     config: ForwardConfig
     main: LaunchPlan
+    heads_on_x: bool  # kernel argument: how main.grid maps to (head, tile)
 
 
 @dataclass(frozen=True)
@@ -139,6 +161,7 @@ class BackwardPlan:
     main: LaunchPlan
     convert: LaunchPlan  # dQ accumulator -> dq
     rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
+    heads_on_x: bool  # kernel argument: how main.grid maps to (kv head, key tile)
 
 
 def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
@@ -153,20 +176,32 @@ def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
     pd = padded_head_dim(d)
     if pd is None:
         return None
-    cfg = BACKWARD_CONFIGS[pd]
-    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+    for cfg in (BACKWARD_CONFIGS[pd], BACKWARD_FALLBACKS.get(pd)):
+        if cfg is not None and cfg.shared_bytes <= limits.max_shared_per_block:
+            return cfg
+    return None
 
 
 def plan_forward(
-    batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits, config: ForwardConfig | None = None
+    batch: int,
+    hq: int,
+    nq: int,
+    d: int,
+    ctype: str,
+    limits: DeviceLimits,
+    config: ForwardConfig | None = None,
+    causal: bool = False,
 ) -> ForwardPlan:
-    """Grid (B*Hq, query tiles): blockIdx.y counts down from the last query tile (most work under causal)."""
+    """Grid over (B*Hq, query tiles), in the order _heads_on_x picks; the kernel counts query tiles down
+    from the last (most work under causal)."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma forward configuration for D={d} within {limits.max_shared_per_block} B of smem")
-    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), (batch * hq, cdiv(nq, cfg.br), 1), (cfg.threads, 1, 1),
-                      cfg.shared_bytes)
-    return ForwardPlan(cfg, main)
+    heads, tiles = batch * hq, cdiv(nq, cfg.br)
+    on_x = _heads_on_x(causal, heads)
+    grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
+    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    return ForwardPlan(cfg, main, on_x)
 
 
 def plan_backward(
@@ -179,21 +214,26 @@ def plan_backward(
     ctype: str,
     limits: DeviceLimits,
     config: BackwardConfig | None = None,
+    causal: bool = False,
 ) -> BackwardPlan:
-    """Grid (B*Hk, key tiles) for the main kernel; one warp per query row for the helpers."""
+    """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query
+    row for the helpers."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
     rows = batch * hq * nq
     aux_grid = (cdiv(rows, _ROWS_PER_AUX_BLOCK), 1, 1)
     aux_block = (32 * _ROWS_PER_AUX_BLOCK, 1, 1)
+    heads, tiles = batch * hk, cdiv(nk, cfg.bc)
+    on_x = _heads_on_x(causal, heads)
+    grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     return BackwardPlan(
         config=cfg,
         delta=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
-        main=LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), (batch * hk, cdiv(nk, cfg.bc), 1), (cfg.threads, 1, 1),
-                        cfg.shared_bytes),
+        main=LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes),
         convert=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
         rows=rows,
+        heads_on_x=on_x,
     )
 
 
@@ -203,5 +243,6 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> lis
     for ct in ctypes:
         out += [(FORWARD_SOURCE, c.name(ct)) for c in FORWARD_CONFIGS.values()]
         out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_CONFIGS.values()]
+        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_FALLBACKS.values()]
         out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}>"), (BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
     return out
