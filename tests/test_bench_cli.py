@@ -384,3 +384,12 @@ def test_quick_suite_runs_end_to_end(tmp_path, capsys):
     ok = [r for r in data if r["impl"] == "cupyflash" and r["status"] == "ok"]
     assert len(ok) == 2 * len(bench.quick_shapes())
     assert all(r["tflops"] > 0 and r["median_ms"] > 0 for r in ok)
+
+
+def test_naive_is_unavailable_for_bfloat16_only():
+    from cupyflash.bench.impls import Unavailable, require_cupy_matmul
+
+    require_cupy_matmul("float16")
+    require_cupy_matmul("float32")
+    with pytest.raises(Unavailable, match="bfloat16"):
+        require_cupy_matmul("bfloat16")

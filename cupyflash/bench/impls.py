@@ -57,3 +57,9 @@ class Prepared:
 
 
 Impl = Callable[[Shape, str, Sequence[InputSet], Options], Prepared]
+
+
+def require_cupy_matmul(dtype_name: str) -> None:
+    """Naive implementations run CuPy matmuls, which have no bfloat16 (seen with CuPy 14.2)."""
+    if dtype_name in ("bfloat16", "bf16"):
+        raise Unavailable("CuPy's matmul has no bfloat16; compare the float16 rows")

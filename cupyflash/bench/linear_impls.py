@@ -6,7 +6,7 @@ import importlib
 from typing import Any, Callable, Sequence
 
 from .cli import Options
-from .impls import Impl, InputSet, Prepared, Unavailable
+from .impls import Impl, InputSet, Prepared, Unavailable, require_cupy_matmul
 from .shapes import Shape, fmt_bytes, heads_per_chunk, naive_linear_head_bytes
 
 
@@ -77,6 +77,7 @@ def naive_linear(q: Any, k: Any, v: Any, do: Any | None, chunk: int) -> Any:
 
 def naive_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
     backward = pass_ != "fwd"
+    require_cupy_matmul(shape.dtype)
     head = naive_linear_head_bytes(shape.n, shape.itemsize, backward)
     mask = shape.n * shape.n * shape.itemsize
     chunk = heads_per_chunk(head, mask, opts.naive_budget_bytes)

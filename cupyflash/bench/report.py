@@ -157,11 +157,14 @@ def plot(records: Sequence[Record], path: str) -> None:
     nrows = math.ceil(len(series) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
     order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2}
+    # One colour per implementation across every panel, so lines read the same everywhere.
+    impls = sorted({impl for by_impl in series.values() for impl in by_impl})
+    colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}
     panels = sorted(series.items(), key=lambda kv: (*kv[0][:4], order.get(kv[0][4], 9)))
     for ax, (key, by_impl) in zip(axes.flat, panels):
         workload, dtype, d, causal, pass_ = key
         for impl, pts in by_impl.items():
-            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=impl)
+            ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=impl, color=colour[impl])
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_title(f"{workload} {dtype} D={d} {'causal' if causal else 'full'} {pass_}", fontsize=9)

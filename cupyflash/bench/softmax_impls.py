@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from .cli import Options
 from .device import to_torch
-from .impls import Impl, InputSet, Prepared, Unavailable, first_line
+from .impls import Impl, InputSet, Prepared, Unavailable, first_line, require_cupy_matmul
 from .shapes import Shape, fmt_bytes, heads_per_chunk, naive_scores_bytes, naive_softmax_head_bytes
 
 
@@ -70,6 +70,7 @@ def naive_attention_forward(q: Any, k: Any, v: Any, causal: bool, scale: float, 
 def naive_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
     if pass_ != "fwd":
         raise Unavailable("naive is benchmarked forward only")
+    require_cupy_matmul(shape.dtype)
     mask = shape.n * shape.n * 4 if shape.causal else 0
     chunk = heads_per_chunk(naive_softmax_head_bytes(shape.n, shape.itemsize), mask, opts.naive_budget_bytes)
     if chunk == 0:
