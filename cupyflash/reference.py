@@ -253,7 +253,7 @@ def tiled_attention_backward(
 
 
 # The linear-attention reference lives in its own module; it is part of this namespace too.
-from .linear_reference import (  # noqa: E402
+from .linear_reference import (  # noqa: E402, F401
     linear_attention,
     linear_attention_backward,
     linear_attention_forward,

@@ -55,8 +55,6 @@ def environment() -> dict[str, Any]:
 
 
 def cupy_dtype(name: str) -> Any:
-    import numpy as np
-
     from .. import _dtypes
 
     return {"float32": _dtypes.FLOAT32, "float16": _dtypes.FLOAT16, "bfloat16": _dtypes.BFLOAT16}[name]

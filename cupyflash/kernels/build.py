@@ -91,6 +91,19 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
     fn(grid, block, args, shared_mem=shared_bytes)
 
 
+def launch_plan(plan, args: tuple) -> None:
+    """Launch one ``plans.LaunchPlan`` (its instantiation, grid, block and shared bytes)."""
+    launch(get_function(plan.source, plan.name), plan.grid, plan.block, args, plan.shared_bytes)
+
+
+def element_strides(x) -> tuple:
+    """Element strides of the (b, h, n) axes of a (B, H, N, D) view, or of all axes of (B, H, N),
+    as the int64 kernel arguments every family takes (the last dim of a 4-D view is unit)."""
+    import numpy as np
+
+    return tuple(np.int64(s // x.itemsize) for s in x.strides[:3])
+
+
 # ---------------------------------------------------------------------------------------
 # Compile without a GPU (CI): NVRTC straight to a cubin for one architecture.
 

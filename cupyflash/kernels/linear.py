@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from .. import _dtypes
-from ..plans import LaunchPlan
 from ..plans import linear as plans
-from . import build
+from .build import element_strides as _strides
+from .build import launch_plan as _launch
 
 NAME = "linear"
 PATHS = ("auto", "chunked", "masked")
@@ -32,18 +32,9 @@ def _i64(x: int) -> np.int64:
     return np.int64(x)
 
 
-def _strides(x: Any) -> tuple[np.int64, ...]:
-    """Element strides of a view (all but the last dim, which is unit)."""
-    return tuple(_i64(s // x.itemsize) for s in x.strides[:-1])
-
-
 def _tensor(x: Any) -> tuple[Any, ...]:
     """A 4-D (B, H, N, D) view as kernel arguments: pointer, then b, h and n strides."""
     return (x, *_strides(x))
-
-
-def _launch(plan: LaunchPlan, args: tuple) -> None:
-    build.launch(build.get_function(plan.source, plan.name), plan.grid, plan.block, args, plan.shared_bytes)
 
 
 def _geometry(x4: Any, p, tc: bool) -> plans.LinearGeometry:

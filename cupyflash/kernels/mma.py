@@ -14,6 +14,7 @@ from ..plans import DeviceLimits, LaunchPlan
 from ..plans import mma as plans
 from ..validation import AttentionProblem
 from . import build
+from .build import element_strides as _strides
 
 NAME = "mma"
 MIN_COMPUTE_CAPABILITY = 80
@@ -50,11 +51,6 @@ def rows_aligned(*arrays: Any) -> bool:
             if n > 1 and (s // x.itemsize) % _ROW_ALIGN:
                 return False
     return True
-
-
-def _strides(x: Any) -> tuple[np.int64, ...]:
-    """Element strides of the (b, h, n) axes."""
-    return tuple(np.int64(s // x.itemsize) for s in x.strides[:3])
 
 
 _carveout_set: set[int] = set()
@@ -95,7 +91,7 @@ def forward(
         q, k, v, o, lse,
         np.int32(nq), np.int32(nk), np.int32(d), np.int32(hq), np.int32(p.group),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *(np.int64(s // lse.itemsize) for s in lse.strides),
+        *_strides(lse),
         np.float32(p.scale * LOG2E), np.int32(p.causal), np.int32(plan.heads_on_x),
     )  # fmt: skip
     _launch(plan.main, args)

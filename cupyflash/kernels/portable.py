@@ -18,10 +18,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import _dtypes
-from ..plans import DeviceLimits, LaunchPlan
+from ..plans import DeviceLimits
 from ..plans import portable as plans
 from ..validation import MAX_HEAD_DIM, AttentionProblem
-from . import build
+from .build import element_strides as _strides
+from .build import launch_plan as _launch
 
 NAME = "portable"
 DQ_STRATEGY: plans.DqStrategy = os.environ.get("CUPYFLASH_PORTABLE_DQ", "atomic")  # type: ignore[assignment]
@@ -44,11 +45,6 @@ def instantiations() -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------ helpers
 
 
-def _strides(x: Any, ndim: int = 3) -> list[np.int64]:
-    """Element strides of the leading ``ndim`` axes (b, h, n) of a 4-D view (or all of a 3-D one)."""
-    return [np.int64(s // x.itemsize) for s in x.strides[:ndim]]
-
-
 def _vec_ok(d: int, *arrays: Any) -> bool:
     """16-byte loads/stores are safe: aligned bases, and every stride and D a multiple of 16 bytes."""
     e = 16 // arrays[0].itemsize
@@ -61,10 +57,6 @@ def _vec_ok(d: int, *arrays: Any) -> bool:
             if n > 1 and (s // x.itemsize) % e:
                 return False
     return True
-
-
-def _launch(lp: LaunchPlan, args: tuple) -> None:
-    build.launch(build.get_function(lp.source, lp.name), lp.grid, lp.block, args, lp.shared_bytes)
 
 
 def _batch_chunks(b: int, *arrays: Any) -> Iterator[tuple[Any, ...]]:
