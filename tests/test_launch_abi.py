@@ -123,3 +123,29 @@ def test_mma_launches_match_kernels(launches, causal):
     names = [name for _, name, _ in launches]
     assert any(n.startswith("mma_flash_fwd") for n in names) and any(n.startswith("mma_flash_bwd") for n in names)
     _check(launches)
+
+
+@pytest.mark.parametrize("path", ["chunked", "masked"])
+def test_linear_launches_match_kernels(launches, monkeypatch, path):
+    import cupy
+    import cupy.lib.stride_tricks
+
+    from cupyflash.kernels import linear
+    from cupyflash.linear_api import check_linear
+
+    def as_device(x):
+        return np.asarray(x).view(_DeviceArray)
+
+    monkeypatch.setattr(cupy, "ascontiguousarray", lambda x, dtype=None: as_device(np.ascontiguousarray(x, dtype)))
+    monkeypatch.setattr(cupy, "broadcast_to", lambda x, shape: as_device(np.broadcast_to(x, shape)))
+    monkeypatch.setattr(cupy.lib.stride_tricks, "as_strided",
+                        lambda x, shape, strides: as_device(np.lib.stride_tricks.as_strided(x, shape, strides)))  # fmt: skip
+    q, k, v, _ = _problem(np.dtype(np.float32))
+    mask = _empty((33, 40), np.float32) if path == "masked" else None
+    decay = _empty((4,), np.float32) if path == "chunked" else None
+    if decay is not None:
+        decay[...] = 0.9
+    p = check_linear(q, k, v, causal=True, mask=mask, decay=decay)
+    linear.forward(q, k, v, mask, decay, p, path=path)
+    linear.backward(q, q, k, v, mask, decay, p, mask_grad=mask is not None, path=path)
+    _check(launches)
