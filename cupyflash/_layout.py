@@ -23,6 +23,18 @@ def unit_last_stride(x: Any) -> Any:
     return x
 
 
+def rows_aligned(*arrays: Any) -> bool:
+    """Every row of every (B, H, N, D) view (or (B, H, N) array) starts on a 16-byte boundary:
+    an aligned base and (b, h, n) strides that are multiples of 16 bytes (a size-1 axis's stride
+    never matters). This is what 16-byte vector loads and cp.async need."""
+    for x in arrays:
+        if x.data.ptr % 16:
+            return False
+        if any(n > 1 and s % 16 for n, s in zip(x.shape[:3], x.strides[:3])):
+            return False
+    return True
+
+
 def as_4d(x: Any, nbatch: int) -> Any | None:
     """A (B, H, N, D) view of x with shape (*batch, H, N, D), or None if the batch dims can't merge."""
     from cupy.lib.stride_tricks import as_strided

@@ -13,6 +13,7 @@ from .. import _dtypes
 from ..plans import DeviceLimits, LaunchPlan
 from ..plans import mma as plans
 from ..validation import AttentionProblem
+from .._layout import rows_aligned
 from . import build
 from .build import element_strides as _strides
 
@@ -40,17 +41,6 @@ def instantiations() -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def rows_aligned(*arrays: Any) -> bool:
-    """Every row of every (B, H, N, D) view starts on a 16-byte boundary."""
-    for x in arrays:
-        if x.data.ptr % 16:
-            return False
-        for n, s in zip(x.shape[:3], x.strides[:3]):
-            if n > 1 and (s // x.itemsize) % _ROW_ALIGN:
-                return False
-    return True
 
 
 _carveout_set: set[int] = set()

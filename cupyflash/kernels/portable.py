@@ -21,6 +21,7 @@ from .. import _dtypes
 from ..plans import DeviceLimits
 from ..plans import portable as plans
 from ..validation import MAX_HEAD_DIM, AttentionProblem
+from .._layout import rows_aligned
 from .build import element_strides as _strides
 from .build import launch_plan as _launch
 
@@ -47,16 +48,7 @@ def instantiations() -> list[tuple[str, str]]:
 
 def _vec_ok(d: int, *arrays: Any) -> bool:
     """16-byte loads/stores are safe: aligned bases, and every stride and D a multiple of 16 bytes."""
-    e = 16 // arrays[0].itemsize
-    if d % e:
-        return False
-    for x in arrays:
-        if x.data.ptr % 16:
-            return False
-        for n, s in zip(x.shape[:3], x.strides[:3]):
-            if n > 1 and (s // x.itemsize) % e:
-                return False
-    return True
+    return (d * arrays[0].itemsize) % 16 == 0 and rows_aligned(*arrays)
 
 
 def _batch_chunks(b: int, *arrays: Any) -> Iterator[tuple[Any, ...]]:
