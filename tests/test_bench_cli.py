@@ -92,6 +92,10 @@ def test_linear_mode_shapes_and_passes():
     assert all(s.causal for s in o.shapes)
     with pytest.raises(SystemExit):
         bench.parse_args(["--mode", "linear", "--compare", "torch"], has_torch=True)
+    o = bench.parse_args(["--mode", "linear", "--compare", "naive,fla"], has_torch=True)
+    assert o.compare == ("naive-linear", "fla")
+    with pytest.raises(SystemExit):  # fla is linear attention, not a softmax comparison
+        bench.parse_args(["--compare", "fla"], has_torch=True)
 
 
 def test_list_prints_the_plan_without_a_gpu(capsys):

@@ -37,6 +37,7 @@ TORCH_BACKENDS = {  # impl name -> torch.nn.attention.SDPBackend member
     "sdpa-efficient": "EFFICIENT_ATTENTION",
 }
 KERNEL_CHOICES = ("auto", "mma", "portable")
+LINEAR_COMPARISONS = ("naive-linear", "fla")  # fla: flash-linear-attention's Triton kernels (fla-core)
 
 
 def _csv(text: str) -> list[str]:
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare",
         default=None,
-        help="comma list of naive, torch (all SDPA backends), sdpa-flash, sdpa-cudnn, sdpa-efficient, or none. "
+        help="comma list of naive, torch (all SDPA backends), sdpa-flash, sdpa-cudnn, sdpa-efficient, or none; "
+        "linear mode: naive, fla (flash-linear-attention's Triton kernels, package fla-core). "
         "Default: naive,torch when torch is importable, else naive",
     )
     p.add_argument("--naive-budget-gb", type=float, default=8.0, help="memory for naive N x N scores (default 8)")
@@ -191,10 +193,17 @@ def expand_compare(text: str | None, mode: str, has_torch: bool) -> tuple[str, .
             picks = list(TORCH_BACKENDS)
         elif name in TORCH_BACKENDS:
             picks = [name]
+        elif name == "fla":
+            picks = ["fla"]
         else:
-            raise ValueError(f"unknown comparison {name!r}; use naive, torch, {', '.join(TORCH_BACKENDS)} or none")
-        if mode == "linear" and picks != ["naive-linear"]:
-            raise ValueError("--mode linear compares against naive only (SDPA has no linear attention)")
+            raise ValueError(
+                f"unknown comparison {name!r}; use naive, torch, {', '.join(TORCH_BACKENDS)}, fla or none"
+            )
+        if (mode == "linear") != all(p in LINEAR_COMPARISONS for p in picks):
+            raise ValueError(
+                "--mode linear compares against naive and fla (SDPA has no linear attention); "
+                "fla is a linear-attention library"
+            )
         out += [p for p in picks if p not in out]
     return tuple(out)
 

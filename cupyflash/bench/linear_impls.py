@@ -1,12 +1,14 @@
-"""Linear attention implementations: cupyflash's (when this build has it) and a naive
-masked-matmul CuPy one, as ``prepare`` functions like the softmax ones."""
+"""Linear attention implementations: cupyflash's (when this build has it), a naive
+masked-matmul CuPy one, and the flash-linear-attention library's Triton kernels (package
+fla-core, when importable), as ``prepare`` functions like the softmax ones."""
 from __future__ import annotations
 
 import importlib
 from typing import Any, Callable, Sequence
 
 from .cli import Options
-from .impls import Impl, InputSet, Prepared, Unavailable, require_cupy_matmul
+from .device import to_torch
+from .impls import Impl, InputSet, Prepared, Unavailable, first_line, require_cupy_matmul
 from .shapes import Shape, fmt_bytes, heads_per_chunk, naive_linear_head_bytes
 
 
@@ -87,3 +89,35 @@ def naive_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: 
     return Prepared(
         lambda i: naive_linear(sets[i].q, sets[i].k, sets[i].v, sets[i].do if backward else None, chunk), "cupy"
     )
+
+
+def fla_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
+    """fla's ``chunk_linear_attn`` with ``normalize=False`` and scale 1: the same operation as
+    ``cupyflash.linear_attention(q, k, v, causal=True)``. fla takes (B, N, H, D), so each set is
+    transposed into that layout once, outside the timed region."""
+    try:
+        import torch
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as e:  # not installed, or no Triton/GPU for it
+        raise Unavailable(f"fla-core is not importable: {first_line(e)}") from e
+
+    backward = pass_ != "fwd"
+    leaves = [
+        [to_torch(x).transpose(1, 2).contiguous().requires_grad_(backward) for x in (s.q, s.k, s.v)] for s in sets
+    ]
+    grads_out = [to_torch(s.do).transpose(1, 2).contiguous() for s in sets]
+
+    def fwd(i: int) -> Any:
+        return chunk_linear_attn(*leaves[i], scale=1.0, normalize=False)[0]
+
+    def fwd_bwd(i: int) -> None:
+        for x in leaves[i]:
+            x.grad = None
+        fwd(i).backward(grads_out[i])
+
+    try:  # the first call compiles the Triton kernels; a refusal shows as n/a
+        (fwd_bwd if backward else fwd)(0)
+    except Exception as e:
+        raise Unavailable(f"fla refuses this case: {first_line(e)}") from e
+    torch.cuda.synchronize()
+    return Prepared(fwd_bwd if backward else fwd, "torch")

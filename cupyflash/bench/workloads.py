@@ -7,7 +7,7 @@ from typing import Callable
 
 from .cli import TORCH_BACKENDS
 from .impls import Impl
-from .linear_impls import cupyflash_linear_impl, find_linear, naive_linear_impl
+from .linear_impls import cupyflash_linear_impl, find_linear, fla_linear_impl, naive_linear_impl
 from .shapes import attention_flops, linear_flops
 from .softmax_impls import cupyflash_impl, naive_impl, sdpa_impl
 
@@ -41,6 +41,8 @@ def _softmax_impl(name: str) -> Impl:
 def _linear_impl(name: str) -> Impl:
     if name == "naive-linear":
         return naive_linear_impl
+    if name == "fla":
+        return fla_linear_impl
     if name.startswith("cupyflash-linear"):
         return cupyflash_linear_impl(name[len("cupyflash-linear["):-1] if "[" in name else "auto")
     raise KeyError(name)
