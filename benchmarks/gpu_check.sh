@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh sanitize   # racecheck and initcheck too
 #   bash benchmarks/gpu_check.sh examples   # every example, train_gpt with both attentions
 #   bash benchmarks/gpu_check.sh bench      # the DESIGN grid against naive CuPy and SDPA
-#   bash benchmarks/gpu_check.sh bench-fp32 # float32 shapes, N = 131072, linear attention
+#   bash benchmarks/gpu_check.sh bench-fp32 # float32 shapes, N = 131072
+#   bash benchmarks/gpu_check.sh bench-linear # linear attention vs naive CuPy and fla (n/a without fla-core)
 # Several modes may follow one another: bash benchmarks/gpu_check.sh tests examples
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -39,8 +40,10 @@ for mode in "${@:-tests}"; do
       2>"$out/bench_grid.err" | tee "$out/bench_grid.md" ;;
   bench-fp32)
     python -m cupyflash.bench --suite fp32,long --compare torch --json "$out/bench_fp32.json" \
-      2>"$out/bench_fp32.err" | tee "$out/bench_fp32.md"
-    python -m cupyflash.bench --mode linear --json "$out/bench_linear.json" 2>"$out/bench_linear.err" | tee "$out/bench_linear.md" ;;
+      2>"$out/bench_fp32.err" | tee "$out/bench_fp32.md" ;;
+  bench-linear)
+    python -m cupyflash.bench --mode linear --compare naive,fla --json "$out/bench_linear.json" \
+      2>"$out/bench_linear.err" | tee "$out/bench_linear.md" ;;
   *) echo "unknown mode $mode"; exit 2 ;;
   esac
 done
