@@ -313,23 +313,35 @@ def bench(dtype: str, fwd_cfg=None, bwd_cfg=None, shapes=SHAPES, label="") -> No
         del q, k, v, do
 
 
-FC, BC = plans.ForwardConfig, plans.BackwardConfig
-VARIANTS_FWD: list = []
+FC, BC, B2 = plans.ForwardConfig, plans.BackwardConfig, plans.Backward2DConfig
+# D = 64 forward at 16 rows per warp: 3 blocks of 4 warps per SM (142 registers), or 2 blocks of 8 (128).
+VARIANTS_FWD: list = [FC(64, br=64, bc=64, warps=4, min_blocks=3), FC(64, br=128, bc=64, warps=8, min_blocks=2)]
 VARIANTS_BWD = [
-    BC(64, br=64, key_warps=8),  # the previous default (now the small-smem fallback)
-    BC(64, br=128, key_warps=8, dp_chunks=4),
+    BC(128, br=32, key_warps=8),  # the key-major 1-D layout, default before the 2-D one
+    # D = 64 in the 2-D layout with Br = 128: bf16 spills 20 B on sm_90a, fp16 does not (timed in both).
+    B2(64, br=128, bc=128, q_row_warps=4, packed_p=True),
 ]
+#: Variants also timed in fp16 (to separate the cost of a bf16-only spill from the layout's).
+VARIANTS_FP16 = [B2(64, br=128, bc=128, q_row_warps=4, packed_p=True)]
 # Accuracy of each variant: tails, causal diagonals, GQA with Nq != Nk.
 VARIANT_CASES = [(2, 4, 4, 1000, 1000, False), (2, 4, 4, 1000, 1000, True), (1, 8, 2, 300, 517, True)]
-VARIANT_SHAPES = [(16, 32, 1024, 64), (4, 32, 4096, 64)]
+VARIANT_SHAPES = [(16, 16, 1024, 128), (2, 16, 8192, 128), (16, 32, 1024, 64), (4, 32, 4096, 64)]
 
 
-def ncu_target() -> int:
-    """One forward and one backward launch for ncu (B=2, H=16, N=4096, D=128, bf16, non-causal)."""
+def bwd_label(c) -> str:
+    if isinstance(c, plans.Backward2DConfig):
+        return (f"bwd2d br{c.br}bc{c.bc}w{c.warps}s{c.s_key_warps}v{c.v_key_warps}q{c.q_row_warps}m{c.min_blocks}"
+                f"p{int(c.packed_p)}st{c.stages}")
+    return f"bwd br{c.br}kw{c.key_warps}s{c.stages}m{c.min_blocks}c{c.dp_chunks}"
+
+
+def ncu_target(d: int = 128) -> int:
+    """One forward and one backward launch for ncu (B=2, N=4096, H*D = 2048, bf16, non-causal)."""
     rng = np.random.default_rng(0)
-    q, k, v, do = (cp.asarray(rng.standard_normal((2, 16, 4096, 128)).astype(DT["bfloat16"])) for _ in range(4))
+    h = 2048 // d
+    q, k, v, do = (cp.asarray(rng.standard_normal((2, h, 4096, d)).astype(DT["bfloat16"])) for _ in range(4))
     p = check_attention(q, k, v)
-    o, lse = cp.empty_like(q), cp.empty((2, 16, 4096), dtype=np.float32)
+    o, lse = cp.empty_like(q), cp.empty((2, h, 4096), dtype=np.float32)
     mma.forward(q, k, v, o, lse, p)
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
     mma.backward(do, q, k, v, o, lse, dq, dk, dv, p)
@@ -359,12 +371,13 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="one small fwd+bwd per head dim, no torch (for compute-sanitizer)")
-    ap.add_argument("--ncu", action="store_true", help="one fwd + one bwd launch, for ncu")
+    ap.add_argument("--ncu", type=int, nargs="?", const=128, default=None, metavar="D",
+                    help="one fwd + one bwd launch at head dim D (default 128), for ncu")
     args = ap.parse_args()
     if args.smoke:
         return smoke()
-    if args.ncu:
-        return ncu_target()
+    if args.ncu is not None:
+        return ncu_target(args.ncu)
     dev = cp.cuda.Device()
     print("device:", cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode(), "torch", torch and torch.__version__)
     jobs = plans.instantiations()
@@ -389,9 +402,12 @@ def main() -> int:
                           label=f"[fwd {c.br}x{c.bc}w{c.warps}s{c.stages}m{c.min_blocks}] ")  # fmt: skip
             for c in VARIANTS_BWD:
                 if c.name("__nv_bfloat16") not in bad:
-                    bench("bfloat16", bwd_cfg=c, shapes=VARIANT_SHAPES,
-                          label=f"[bwd br{c.br}kw{c.key_warps}s{c.stages}m{c.min_blocks}c{c.dp_chunks}] ")  # fmt: skip
-        bench("float16", shapes=[SHAPES[0], SHAPES[2], SHAPES[5]])
+                    bench("bfloat16", bwd_cfg=c, shapes=VARIANT_SHAPES, label=f"[{bwd_label(c)}] ")
+        bench("float16", shapes=[SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[5]])
+        if args.variants:
+            for c in VARIANTS_FP16:
+                if c.name("__nv_bfloat16") not in bad:
+                    bench("float16", bwd_cfg=c, shapes=VARIANT_SHAPES, label=f"[{bwd_label(c)}] ")
     return 0 if ok else 1
 
 

@@ -91,6 +91,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The inverse of pack2: two T packed lo | hi << 16, as floats.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<__half2*>(&x));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+  }
+}
+
 // ------------------------------------------------------------------------------ smem tiles
 
 // A tile of rows x D elements (16-bit) in shared memory, addressed by (row, 16-byte chunk).

@@ -73,13 +73,25 @@ def test_shared_bytes_match_the_kernel_layout():
     b = plans.BackwardConfig(64, br=64, key_warps=8)
     assert b.bc == 128 and b.threads == 256
     assert b.shared_bytes == 2 * 128 * 64 * 2 + 4 * 64 * 64 * 2 + 128 * 64 * 2 + 4 * 64 * 4
+    b2 = plans.Backward2DConfig(128, br=64, bc=128)
+    assert b2.threads == 256
+    # K_j, V_j; the Q_i/dO_i ring; P^T and dS^T; the lse/Delta ring. It fits an A100's 163 KB.
+    assert b2.shared_bytes == 2 * 128 * 128 * 2 + 4 * 64 * 128 * 2 + 2 * 128 * 64 * 2 + 4 * 64 * 4
+    assert b2.shared_bytes <= A100.max_shared_per_block
+    assert b2.name("__half") == "mma_flash_bwd2d<__half, 128, 64, 128, 8, 4, 4, 2, 2, 1, false>"
 
 
 def test_tile_shapes_are_what_the_kernels_assert():
     for cfg in plans.FORWARD_CONFIGS.values():
         assert cfg.br % (16 * cfg.warps) == 0 and cfg.bc % 16 == 0 and cfg.d % 16 == 0
         assert cfg.stages >= 2 and cfg.threads <= 1024
-    for cfg in plans.BACKWARD_CONFIGS.values():
+    for cfg in [*plans.BACKWARD_CONFIGS.values(), *plans.BACKWARD_FALLBACKS.values()]:
+        if isinstance(cfg, plans.Backward2DConfig):
+            # Every warp tile (S^T/dP^T, dK/dV, dQ) is a whole number of 16 x 16 blocks.
+            for rows, rw, cols in ((cfg.bc, cfg.s_key_warps, cfg.br), (cfg.bc, cfg.v_key_warps, cfg.d),
+                                   (cfg.br, cfg.q_row_warps, cfg.d)):  # fmt: skip
+                assert cfg.warps % rw == 0 and (rows // rw) % 16 == 0 and (cols // (cfg.warps // rw)) % 16 == 0
+            continue
         assert (cfg.d // cfg.d_split) % 16 == 0 and cfg.br % 16 == 0
         row_warps = min(cfg.br // 16, cfg.warps)
         assert cfg.warps % row_warps == 0 and (cfg.d // (cfg.warps // row_warps)) % 16 == 0

@@ -92,7 +92,7 @@ def forward(
 
 def backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem,
-    config: plans.BackwardConfig | None = None,
+    config: plans.AnyBackwardConfig | None = None,
 ) -> None:  # fmt: skip
     import cupy
 

@@ -100,6 +100,46 @@ class BackwardConfig:
         )
 
 
+@dataclass(frozen=True)
+class Backward2DConfig:
+    """Tiles of mma_flash_bwd2d (FlashAttention-2's 2-D warp layout): Bc keys x Br queries per step,
+    S^T/dP^T tiled s_key_warps (keys) x the rest (queries), dK/dV v_key_warps (keys) x the rest
+    (columns), dQ q_row_warps (queries) x the rest (columns); P^T and dS^T go through smem."""
+
+    d: int
+    br: int
+    bc: int
+    warps: int = 8
+    s_key_warps: int = 4
+    v_key_warps: int = 4
+    q_row_warps: int = 2
+    stages: int = 2
+    min_blocks: int = 1
+    packed_p: bool = False  # P^T kept as 16-bit values next to dP^T (fewer registers, one more rounding)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def shared_bytes(self) -> int:
+        kv = 2 * self.bc * _pitch(self.d) * _ELEM
+        q_do = 2 * self.stages * self.br * _pitch(self.d) * _ELEM
+        p_ds = 2 * self.bc * _pitch(self.br) * _ELEM  # P^T and dS^T
+        stats = 2 * self.stages * self.br * 4
+        return kv + q_do + p_ds + stats
+
+    def name(self, ctype: str) -> str:
+        return (
+            f"mma_flash_bwd2d<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.s_key_warps}, "
+            f"{self.v_key_warps}, {self.q_row_warps}, {self.stages}, {self.min_blocks}, "
+            f"{'true' if self.packed_p else 'false'}>"
+        )
+
+
+AnyBackwardConfig = BackwardConfig | Backward2DConfig
+
+
 # Measured on an H200 (benchmarks/dev_mma.py). D = 64 and 128 use FlashAttention-2's split:
 # 4 warps of 32 query rows each, so every K/V fragment read from smem feeds two mma; at 255/222
 # registers two blocks fit per SM (+20-25% over 8 warps of 16 rows, which ran at 1 block/SM and
@@ -115,16 +155,18 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 }
 
 # One block of 8 warps per SM (dK_j/dV_j accumulators: D f32 registers per thread at kDSplit = 1).
-# D = 64 takes FlashAttention-2's Br = 128 (fewer ldmatrix per mma, half the per-step overhead of
-# Br = 64: +5-8% measured), which fits in 255 registers with dP^T in 2 query chunks (4 also fit, no
-# faster at N = 4096, 4% slower at N = 1024). D = 128 stays at Br = 32: Br = 64 with 2 chunks is 3%
-# faster at N >= 4096 but spills 4-8 B on sm_90a, and 4 chunks is no faster (benchmarks/NOTES.md).
-# A 3-deep Q_i/dO_i ring measured the same as 2, and 4-warp blocks at 2 per SM were 10-20% slower.
-BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
+# D = 128 takes FlashAttention-2's 2-D warp layout (Br = 64, Bc = 128; S^T/dP^T in 32 x 32 warp tiles, P^T
+# and dS^T through smem): 0.45 ldmatrix per mma instead of 0.70 for the key-major strips with Br = 32,
+# +13-17% measured on an H200 (the key-major kernel was bound by shared-memory fragment reads). A 3-deep
+# Q_i/dO_i ring gave +1-2% (H100/H200 only: 198 KB), 16-bit P^T next to dP^T nothing, and 4 warps at 2 blocks
+# per SM (Bc = 64) -9%. D = 64 keeps the key-major kernel with FlashAttention-2's Br = 128 (dP^T in 2 query
+# chunks to fit 255 registers): at D = 64 the 2-D layout measured 4-10% slower (its P^T round trip through
+# smem costs as much as the fragment reads it saves). See benchmarks/NOTES.md.
+BACKWARD_CONFIGS: dict[int, AnyBackwardConfig] = {
     32: BackwardConfig(32, br=64, key_warps=8),
     64: BackwardConfig(64, br=128, key_warps=8, dp_chunks=2),
     96: BackwardConfig(96, br=64, key_warps=8),
-    128: BackwardConfig(128, br=32, key_warps=8),
+    128: Backward2DConfig(128, br=64, bc=128),
     192: BackwardConfig(192, br=32, key_warps=4, d_split=2),
     256: BackwardConfig(256, br=32, key_warps=2, d_split=4),
 }
@@ -156,7 +198,7 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    config: BackwardConfig
+    config: AnyBackwardConfig
     delta: LaunchPlan  # Delta = rowsum(dO * O), zeroes the dQ accumulator
     main: LaunchPlan
     convert: LaunchPlan  # dQ accumulator -> dq
@@ -172,7 +214,7 @@ def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
 
 
-def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
+def backward_config(d: int, limits: DeviceLimits) -> AnyBackwardConfig | None:
     pd = padded_head_dim(d)
     if pd is None:
         return None
@@ -213,7 +255,7 @@ def plan_backward(
     d: int,
     ctype: str,
     limits: DeviceLimits,
-    config: BackwardConfig | None = None,
+    config: AnyBackwardConfig | None = None,
     causal: bool = False,
 ) -> BackwardPlan:
     """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query

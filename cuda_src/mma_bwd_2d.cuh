@@ -1,0 +1,372 @@
+// mma_flash_bwd2d: the backward main kernel in FlashAttention-2's 2-D warp layout (see mma_backward.cu).
+// Included by mma_backward.cu (after its `using namespace cupyflash::mma`), which holds the
+// Delta and dQ-conversion kernels and the launch-facing overview.
+#ifndef CUPYFLASH_MMA_BWD_2D_CUH
+#define CUPYFLASH_MMA_BWD_2D_CUH
+#include "mma_primitives.cuh"
+#include "mma_softmax.cuh"
+
+// The same backward with FlashAttention-2's 2-D warp layout, for large head dims: S^T and dP^T are
+// tiled over kSKeyWarps x (kWarps / kSKeyWarps) warps (keys x queries), so each K_j/V_j and Q_i/dO_i
+// fragment read from smem feeds several mma (at Bc = 128, Br = 64, 4 x 2 warps of 32 x 32: 0.5
+// ldmatrix per mma, against 0.75 for the key-major strips of mma_bwd_keymajor.cuh). P^T and dS^T then go through smem
+// (they are needed by other warps): dK_j/dV_j are tiled kVKeyWarps (keys) x the rest (head-dim
+// columns), dQ_i kQRowWarps (queries) x the rest (columns). Two barriers per step, as above.
+// kPackedP: P^T stays live through dP^T only as the 16-bit values written to smem (half the registers;
+// dS^T = P^T (dP^T - Delta) then starts from P^T rounded to T, one more rounding before dS^T's own).
+template <typename T, int D, int Br, int Bc, int kWarps, int kSKeyWarps, int kVKeyWarps, int kQRowWarps, int kStages,
+          int kMinBlocks, bool kPackedP>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    mma_flash_bwd2d(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
+                    int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
+                    long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
+                    long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
+                    long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
+                    float scale, float scale_log2, int causal, int heads_on_x) {
+  constexpr int kThreads = kWarps * 32;
+  // S^T / dP^T warp tile: kSK keys (kMS strips of 16) x kSQ queries (kNS n8 tiles).
+  constexpr int kSK = Bc / kSKeyWarps, kSQ = Br / (kWarps / kSKeyWarps);
+  constexpr int kMS = kSK / 16, kNS = kSQ / 8;
+  // dK_j / dV_j warp tile: kVK keys x kVD columns.
+  constexpr int kVK = Bc / kVKeyWarps, kVD = D / (kWarps / kVKeyWarps);
+  constexpr int kMV = kVK / 16, kNV = kVD / 8;
+  // dQ_i warp tile: kQR queries x kQD columns.
+  constexpr int kQR = Br / kQRowWarps, kQD = D / (kWarps / kQRowWarps);
+  constexpr int kMQ = kQR / 16, kNQ = kQD / 8;
+  static_assert(kSK % 16 == 0 && kSQ % 16 == 0 && kVK % 16 == 0 && kVD % 16 == 0 && kQR % 16 == 0 && kQD % 16 == 0,
+                "warp tiles are whole 16 x 16 blocks");
+  static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
+  using L = TileLayout<D>;
+  using LS = TileLayout<Br>;  // P^T and dS^T: Bc rows (keys) x Br columns (queries)
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Bc * L::kPitch;
+  T* sQ = sV + Bc * L::kPitch;             // [kStages][Br][pitch]
+  T* sdO = sQ + kStages * Br * L::kPitch;  // [kStages][Br][pitch]
+  T* sP = sdO + kStages * Br * L::kPitch;
+  T* sdS = sP + Bc * LS::kPitch;
+  float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
+  float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
+
+  const int hk_count = hq / group;
+  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;
+  const int b = bhk / hk_count;
+  const int hkv = bhk % hk_count;
+  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int causal_offset = nk - nq;
+
+  const int m_tiles = (nq + Br - 1) / Br;
+  int m_start = 0;
+  if (causal) {
+    const int first_query = j0 - causal_offset;
+    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
+  }
+  const int per_head = m_tiles - m_start;
+  const int total = group * per_head;
+
+  const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
+  const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+
+  auto tile_of = [&](int it, int& hh, int& i0) {
+    hh = hkv * group + it / per_head;
+    i0 = (m_start + it % per_head) * Br;
+  };
+  auto load_q_do = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + i0 * q_sn, q_sn,
+                                        nq - i0, d, tid);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + i0 * do_sn,
+                                        do_sn, nq - i0, d, tid);
+  };
+  auto load_stats = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int r = opaque(static_cast<int>(threadIdx.x));
+    if (r < Br) {
+      const int bo = opaque(b);
+      const int i = min(i0 + r, nq - 1);
+      const int nbytes = i0 + r < nq ? 4 : 0;
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(bo) * hq + hh) * nq + i, nbytes);
+    }
+  };
+
+  float acc_dv[kMV][kNV][4], acc_dk[kMV][kNV][4];
+#pragma unroll
+  for (int m = 0; m < kMV; ++m) {
+#pragma unroll
+    for (int n = 0; n < kNV; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dv[m][n][e] = acc_dk[m][n][e] = 0.f;
+    }
+  }
+
+  if (total > 0) {
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d, threadIdx.x);
+    load_q_do(0, 0);
+    load_stats(0, 0);
+  }
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < total) {
+      load_q_do(s, s);
+      load_stats(s, s);
+    }
+    cp_async_commit();
+  }
+
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sP_u = smem_u32(sP), sdS_u = smem_u32(sdS);
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it % kStages;
+    int hh, i0;
+    tile_of(it, hh, i0);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1 (sP, sdS free)
+    {
+      const int ahead = it + kStages - 1;
+      if (ahead < total) {
+        load_q_do(ahead, ahead % kStages);
+        load_stats(ahead, ahead % kStages);
+      }
+      cp_async_commit();
+    }
+    const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
+    const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
+
+    // ---- S^T = K_j Q_i^T -> P^T, then dP^T = V_j dO_i^T -> dS^T, on this warp's kSK x kSQ tile.
+    {
+      const int tid = opaque(static_cast<int>(threadIdx.x));
+      const int sw = (tid / 32) % kSKeyWarps, qw = (tid / 32) / kSKeyWarps, ln = tid % 32;
+      const LdmRows<D, true> kv_a(sw * kSK + (ln & 15), ln >> 4);                              // A: K, V
+      const LdmRows<D, true> qn_b(qw * kSQ + (ln >> 4) * 8 + (ln & 7), (ln >> 3) & 1);         // B: Q, dO
+      const int key0 = j0 + sw * kSK, query0 = i0 + qw * kSQ;
+      const float* lse_b = sLse + buf * Br + qw * kSQ + (ln & 3) * 2;
+      const float* delta_b = sDelta + buf * Br + qw * kSQ + (ln & 3) * 2;
+
+      float pt[kMS][kNS][4];
+#pragma unroll
+      for (int m = 0; m < kMS; ++m) {
+#pragma unroll
+        for (int n = 0; n < kNS; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pt[m][n][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[kMS][4];
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) ldmatrix_x4(a[m], kv_a.at(sK_u, ks, m * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNS / 2; ++n2) {
+          uint32_t bq[4];
+          ldmatrix_x4(bq, qn_b.at(sQ_u, ks, n2 * 16));
+#pragma unroll
+          for (int m = 0; m < kMS; ++m) {
+            mma_16816<T>(pt[m][2 * n2], a[m], bq[0], bq[1]);
+            mma_16816<T>(pt[m][2 * n2 + 1], a[m], bq[2], bq[3]);
+          }
+        }
+      }
+      float c = scale_log2;
+#pragma unroll
+      for (int m = 0; m < kMS; ++m) c = positive_scale<kNS>(pt[m], scale_log2);
+      if (key0 + kSK - 1 >= nk || (causal && key0 + kSK - 1 > query0 + causal_offset)) {
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, nk, causal, causal_offset);
+      }
+#pragma unroll
+      for (int n = 0; n < kNS; ++n) {
+        // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
+        const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
+        const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                      ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) {
+          pt[m][n][0] = fast_exp2(fmaf(pt[m][n][0], c, -l2.x));
+          pt[m][n][1] = fast_exp2(fmaf(pt[m][n][1], c, -l2.y));
+          pt[m][n][2] = fast_exp2(fmaf(pt[m][n][2], c, -l2.x));
+          pt[m][n][3] = fast_exp2(fmaf(pt[m][n][3], c, -l2.y));
+        }
+      }
+      // Fragment (m, n) of this lane -> rows key r, r + 8 and queries (chunk, e) of the P^T/dS^T tiles.
+      const int r = sw * kSK + (ln >> 2);
+      const int e = (ln & 3) * 2;
+      const int chunk0 = qw * kSQ / 8;
+      uint32_t pp[kMS][kNS][2];
+#pragma unroll
+      for (int m = 0; m < kMS; ++m) {
+#pragma unroll
+        for (int n = 0; n < kNS; ++n) {
+          pp[m][n][0] = pack2<T>(pt[m][n][0], pt[m][n][1]);
+          pp[m][n][1] = pack2<T>(pt[m][n][2], pt[m][n][3]);
+          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m, chunk0 + n) + e) = pp[m][n][0];
+          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = pp[m][n][1];
+        }
+      }
+
+      float dpt[kMS][kNS][4];
+#pragma unroll
+      for (int m = 0; m < kMS; ++m) {
+#pragma unroll
+        for (int n = 0; n < kNS; ++n) {
+#pragma unroll
+          for (int e2 = 0; e2 < 4; ++e2) dpt[m][n][e2] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[kMS][4];
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) ldmatrix_x4(a[m], kv_a.at(sV_u, ks, m * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNS / 2; ++n2) {
+          uint32_t bo[4];
+          ldmatrix_x4(bo, qn_b.at(sdO_u, ks, n2 * 16));
+#pragma unroll
+          for (int m = 0; m < kMS; ++m) {
+            mma_16816<T>(dpt[m][2 * n2], a[m], bo[0], bo[1]);
+            mma_16816<T>(dpt[m][2 * n2 + 1], a[m], bo[2], bo[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kNS; ++n) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) {
+          float p4[4] = {pt[m][n][0], pt[m][n][1], pt[m][n][2], pt[m][n][3]};
+          if constexpr (kPackedP) {
+            const float2 lo2 = unpack2<T>(pp[m][n][0]), hi2 = unpack2<T>(pp[m][n][1]);
+            p4[0] = lo2.x, p4[1] = lo2.y, p4[2] = hi2.x, p4[3] = hi2.y;
+          }
+          const uint32_t lo = pack2<T>(p4[0] * (dpt[m][n][0] - dl.x), p4[1] * (dpt[m][n][1] - dl.y));
+          const uint32_t hi = pack2<T>(p4[2] * (dpt[m][n][2] - dl.x), p4[3] * (dpt[m][n][3] - dl.y));
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 16 * m, chunk0 + n) + e) = lo;
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = hi;
+        }
+      }
+    }
+    __syncthreads();  // P^T and dS^T complete
+
+    // ---- dV_j += P^T dO_i, dK_j += dS^T Q_i on this warp's kVK x kVD tile.
+    {
+      const int tid = opaque(static_cast<int>(threadIdx.x));
+      const int vw = (tid / 32) % kVKeyWarps, cw = (tid / 32) / kVKeyWarps, ln = tid % 32;
+      const LdmRows<Br, true> p_a(vw * kVK + (ln & 15), ln >> 4);  // A: P^T, dS^T (keys x queries)
+      const LdmRows<D, kVKeyWarps == kWarps || kVD % 64 == 0> qt_b(ln & 15, 2 * (cw * kVD / 16) + (ln >> 4));  // B
+#pragma unroll
+      for (int kq = 0; kq < Br / 16; ++kq) {
+        uint32_t a[kMV][4];
+#pragma unroll
+        for (int m = 0; m < kMV; ++m) ldmatrix_x4(a[m], p_a.at(sP_u, kq, m * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNV / 2; ++n2) {
+          uint32_t bo[4];
+          ldmatrix_x4_trans(bo, qt_b.at(sdO_u, n2, kq * 16));
+#pragma unroll
+          for (int m = 0; m < kMV; ++m) {
+            mma_16816<T>(acc_dv[m][2 * n2], a[m], bo[0], bo[1]);
+            mma_16816<T>(acc_dv[m][2 * n2 + 1], a[m], bo[2], bo[3]);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < kMV; ++m) ldmatrix_x4(a[m], p_a.at(sdS_u, kq, m * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNV / 2; ++n2) {
+          uint32_t bq[4];
+          ldmatrix_x4_trans(bq, qt_b.at(sQ_u, n2, kq * 16));
+#pragma unroll
+          for (int m = 0; m < kMV; ++m) {
+            mma_16816<T>(acc_dk[m][2 * n2], a[m], bq[0], bq[1]);
+            mma_16816<T>(acc_dk[m][2 * n2 + 1], a[m], bq[2], bq[3]);
+          }
+        }
+      }
+    }
+
+    // ---- dQ_i += dS K_j on this warp's kQR x kQD tile, straight into the f32 accumulator.
+    {
+      const int tid = opaque(static_cast<int>(threadIdx.x));
+      const int qs = (tid / 32) % kQRowWarps, qc = (tid / 32) / kQRowWarps, ln = tid % 32;
+      const LdmRows<Br, kQRowWarps == 1 || kMQ % 4 == 0> ds_a((ln >> 4) * 8 + (ln & 7), 2 * (qs * kMQ) + ((ln >> 3) & 1));
+      const LdmRows<D, kQRowWarps == kWarps || kQD % 64 == 0> kt_b(ln & 15, 2 * (qc * kQD / 16) + (ln >> 4));
+      float acc_dq[kMQ][kNQ][4];
+#pragma unroll
+      for (int m = 0; m < kMQ; ++m) {
+#pragma unroll
+        for (int n = 0; n < kNQ; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dq[m][n][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < Bc / 16; ++ks) {
+        uint32_t a[kMQ][4];
+#pragma unroll
+        for (int m = 0; m < kMQ; ++m) ldmatrix_x4_trans(a[m], ds_a.at(sdS_u, m, ks * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNQ / 2; ++n2) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, kt_b.at(sK_u, n2, ks * 16));
+#pragma unroll
+          for (int m = 0; m < kMQ; ++m) {
+            mma_16816<T>(acc_dq[m][2 * n2], a[m], bk[0], bk[1]);
+            mma_16816<T>(acc_dq[m][2 * n2 + 1], a[m], bk[2], bk[3]);
+          }
+        }
+      }
+      float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
+#pragma unroll
+      for (int m = 0; m < kMQ; ++m) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
+          if (row < nq) {
+#pragma unroll
+            for (int n = 0; n < kNQ; ++n) {
+              const int col = qc * kQD + n * 8 + (ln & 3) * 2;
+              if (col < d)
+                red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
+  const int vw = warp % kVKeyWarps, cw = warp / kVKeyWarps;
+#pragma unroll
+  for (int m = 0; m < kMV; ++m) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int key = j0 + vw * kVK + m * 16 + (lane >> 2) + hf * 8;
+      if (key < nk) {
+        T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
+        T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
+#pragma unroll
+        for (int n = 0; n < kNV; ++n) {
+          const int col = cw * kVD + n * 8 + (lane & 3) * 2;
+          if (col < d) {
+            store2<T>(dv_row + col, acc_dv[m][n][2 * hf], acc_dv[m][n][2 * hf + 1]);
+            store2<T>(dk_row + col, acc_dk[m][n][2 * hf] * scale, acc_dk[m][n][2 * hf + 1] * scale);
+          }
+        }
+      }
+    }
+  }
+}
+
+#endif  // CUPYFLASH_MMA_BWD_2D_CUH

@@ -1,0 +1,329 @@
+// mma_flash_bwd: the backward main kernel with key-major warp strips (see mma_backward.cu).
+// Included by mma_backward.cu (after its `using namespace cupyflash::mma`), which holds the
+// Delta and dQ-conversion kernels and the launch-facing overview.
+#ifndef CUPYFLASH_MMA_BWD_KEYMAJOR_CUH
+#define CUPYFLASH_MMA_BWD_KEYMAJOR_CUH
+#include "mma_primitives.cuh"
+#include "mma_softmax.cuh"
+
+template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks>
+__global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
+    mma_flash_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                  float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
+                  int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
+                  long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
+                  long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
+                  long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
+                  float scale, float scale_log2, int causal, int heads_on_x) {
+  constexpr int kWarps = kKeyWarps * kDSplit;
+  constexpr int kThreads = kWarps * 32;
+  constexpr int Bc = 16 * kKeyWarps;
+  constexpr int kDS = D / kDSplit;  // dK/dV columns per warp
+  constexpr int kNQ = Br / 8;       // n8 tiles of S^T (queries) per warp
+  constexpr int kNC = kNQ / kDPChunks;  // n8 tiles of dP^T per chunk
+  // dQ_i = dS K_j: warps tile Br x D as kQRowWarps strips of 16 rows by kQColWarps column blocks.
+  constexpr int kQRowWarps = (Br / 16) < kWarps ? (Br / 16) : kWarps;
+  constexpr int kQColWarps = kWarps / kQRowWarps;
+  constexpr int kQStrips = Br / 16 / kQRowWarps;
+  constexpr int kDQ = D / kQColWarps;
+  static_assert(kDS % 16 == 0 && kDQ % 16 == 0 && Br % 16 == 0, "tile shape");
+  static_assert(kWarps % kQRowWarps == 0 && Br / 16 % kQRowWarps == 0, "dQ warp tiling");
+  static_assert(kNQ % (2 * kDPChunks) == 0, "dP^T chunks are whole k16 blocks of queries");
+  static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
+  using L = TileLayout<D>;
+  using LS = TileLayout<Br>;  // dS^T: Bc rows (keys) x Br columns (queries)
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + Bc * L::kPitch;
+  T* sQ = sV + Bc * L::kPitch;             // [kStages][Br][pitch]
+  T* sdO = sQ + kStages * Br * L::kPitch;  // [kStages][Br][pitch]
+  T* sdS = sdO + kStages * Br * L::kPitch;
+  float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
+  float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
+
+  const int hk_count = hq / group;
+  // heads_on_x: grid (B*Hk, key tiles), heads fastest, so under causal the first key tiles (the most
+  // query tiles) of every head go first. Otherwise grid (key tiles, B*Hk): the blocks of one kv head run
+  // together and its Q_i/dO_i reads and dQ atomics stay in L2.
+  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;
+  const int b = bhk / hk_count;
+  const int hkv = bhk % hk_count;
+  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int kw = warp % kKeyWarps;
+  const int dw = warp / kKeyWarps;
+  const int causal_offset = nk - nq;
+
+  // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
+  const int m_tiles = (nq + Br - 1) / Br;
+  int m_start = 0;
+  if (causal) {
+    const int first_query = j0 - causal_offset;
+    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
+  }
+  const int per_head = m_tiles - m_start;
+  const int total = group * per_head;
+
+  const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
+  const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+
+  // Iteration it -> (query head, Q tile); its Q_i, dO_i, lse and Delta arrive in one cp.async group.
+  auto tile_of = [&](int it, int& hh, int& i0) {
+    hh = hkv * group + it / per_head;
+    i0 = (m_start + it % per_head) * Br;
+  };
+  // The loop's loads recompute their addresses from opaque copies of b and threadIdx.x (see opaque()).
+  auto load_q_do = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + i0 * q_sn, q_sn,
+                                        nq - i0, d, tid);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + i0 * do_sn,
+                                        do_sn, nq - i0, d, tid);
+  };
+  // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
+  // Q and dO rows are zeros, so they contribute nothing whatever P is).
+  auto load_stats = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int r = opaque(static_cast<int>(threadIdx.x));
+    if (r < Br) {
+      const int bo = opaque(b);
+      const int i = min(i0 + r, nq - 1);
+      const int nbytes = i0 + r < nq ? 4 : 0;
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(bo) * hq + hh) * nq + i, nbytes);
+    }
+  };
+
+  float acc_dv[kDS / 8][4], acc_dk[kDS / 8][4];
+#pragma unroll
+  for (int n = 0; n < kDS / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+  }
+
+  if (total > 0) {
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d, threadIdx.x);
+    load_q_do(0, 0);
+    load_stats(0, 0);
+  }
+  cp_async_commit();  // group 0: K_j, V_j and step 0
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < total) {
+      load_q_do(s, s);
+      load_stats(s, s);
+    }
+    cp_async_commit();
+  }
+
+  // ldmatrix rows: one register each where the warp's first chunk is a multiple of 8 (see LdmRows).
+  const LdmRows<D, true> kv_a(16 * kw + (lane & 15), lane >> 4);                // A of K Q^T, V dO^T
+  const LdmRows<D, true> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of K Q^T, V dO^T
+  const LdmRows<D, kDSplit == 1 || kDS % 64 == 0> qt_b(lane & 15, 2 * (dw * kDS / 16) + (lane >> 4));  // B of P^T dO, dS^T Q
+  const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sdS_u = smem_u32(sdS);
+  const int key_w = j0 + 16 * kw;  // first key of this warp
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it % kStages;
+    int hh, i0;
+    tile_of(it, hh, i0);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1
+    {
+      const int ahead = it + kStages - 1;  // into the slot step it-1 used
+      if (ahead < total) {
+        load_q_do(ahead, ahead % kStages);
+        load_stats(ahead, ahead % kStages);
+      }
+      cp_async_commit();
+    }
+    const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
+    const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
+    const int quad2 = (opaque(static_cast<int>(threadIdx.x)) & 3) * 2;  // this lane's query pair
+    const float* lse_b = sLse + buf * Br + quad2;
+    const float* delta_b = sDelta + buf * Br + quad2;
+
+    // S^T = K_j Q_i^T -> P^T.
+    float pt[kNQ][4];
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pt[n][e] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, kv_a.at(sK_u, ks));
+#pragma unroll
+      for (int n2 = 0; n2 < kNQ / 2; ++n2) {
+        uint32_t bq[4];
+        ldmatrix_x4(bq, qn_b.at(sQ_u, ks, n2 * 16));
+        mma_16816<T>(pt[2 * n2], a, bq[0], bq[1]);
+        mma_16816<T>(pt[2 * n2 + 1], a, bq[2], bq[3]);
+      }
+    }
+    const float c = positive_scale<kNQ>(pt, scale_log2);
+    if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
+      mask_strip<kNQ, true>(pt, key_w, i0, nk, causal, causal_offset);
+    }
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+      // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
+      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
+      const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                    ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+      pt[n][0] = fast_exp2(fmaf(pt[n][0], c, -l2.x));
+      pt[n][1] = fast_exp2(fmaf(pt[n][1], c, -l2.y));
+      pt[n][2] = fast_exp2(fmaf(pt[n][2], c, -l2.x));
+      pt[n][3] = fast_exp2(fmaf(pt[n][3], c, -l2.y));
+    }
+
+    // dV_j += P^T dO_i (this warp's d-slice).
+#pragma unroll
+    for (int kq = 0; kq < Br / 16; ++kq) {
+      uint32_t a[4];
+      a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
+      a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
+      a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
+      a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+#pragma unroll
+      for (int n2 = 0; n2 < kDS / 16; ++n2) {
+        uint32_t bo[4];
+        ldmatrix_x4_trans(bo, qt_b.at(sdO_u, n2, kq * 16));
+        mma_16816<T>(acc_dv[2 * n2], a, bo[0], bo[1]);
+        mma_16816<T>(acc_dv[2 * n2 + 1], a, bo[2], bo[3]);
+      }
+    }
+
+    // dP^T = V_j dO_i^T, dS^T = P^T (dP^T - Delta), dK_j += dS^T Q_i, one chunk of kNC query tiles at a
+    // time: only one chunk of dP^T is ever live next to P^T and dK_j/dV_j (which is what lets Br = 64
+    // at D = 128 stay off the stack), at the price of re-reading the V_j fragments once per chunk.
+#pragma unroll
+    for (int ch = 0; ch < kDPChunks; ++ch) {
+      float dpt[kNC][4];
+#pragma unroll
+      for (int n = 0; n < kNC; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, kv_a.at(sV_u, ks));
+#pragma unroll
+        for (int n2 = 0; n2 < kNC / 2; ++n2) {
+          uint32_t bo[4];
+          ldmatrix_x4(bo, qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16));
+          mma_16816<T>(dpt[2 * n2], a, bo[0], bo[1]);
+          mma_16816<T>(dpt[2 * n2 + 1], a, bo[2], bo[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kNC; ++n) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta_b + (ch * kNC + n) * 8);
+        pt[ch * kNC + n][0] *= dpt[n][0] - dl.x;
+        pt[ch * kNC + n][1] *= dpt[n][1] - dl.y;
+        pt[ch * kNC + n][2] *= dpt[n][2] - dl.x;
+        pt[ch * kNC + n][3] *= dpt[n][3] - dl.y;
+      }
+
+      // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
+#pragma unroll
+      for (int kc = 0; kc < kNC / 2; ++kc) {
+        const int kq = ch * kNC / 2 + kc;
+        uint32_t a[4];
+        a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
+        a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
+        a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
+        a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+        if (dw == 0) {
+          const int r = 16 * kw + (lane >> 2);
+          const int e = (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
+          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
+        }
+#pragma unroll
+        for (int n2 = 0; n2 < kDS / 16; ++n2) {
+          uint32_t bq[4];
+          ldmatrix_x4_trans(bq, qt_b.at(sQ_u, n2, kq * 16));
+          mma_16816<T>(acc_dk[2 * n2], a, bq[0], bq[1]);
+          mma_16816<T>(acc_dk[2 * n2 + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+    __syncthreads();  // dS^T complete
+
+    // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator. (Its lane
+    // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
+    const int tid_dq = opaque(static_cast<int>(threadIdx.x));
+    const int lane_dq = tid_dq % 32;
+    const int qs = (tid_dq / 32) % kQRowWarps;  // strip group
+    const int qc = (tid_dq / 32) / kQRowWarps;  // column block
+    const LdmRows<Br, kQRowWarps == 1 || kQStrips % 4 == 0> ds_a((lane_dq >> 4) * 8 + (lane_dq & 7),
+                                                                 2 * (qs * kQStrips) + ((lane_dq >> 3) & 1));  // A
+    const LdmRows<D, kQColWarps == 1 || kDQ % 64 == 0> kt_b(lane_dq & 15, 2 * (qc * kDQ / 16) + (lane_dq >> 4));  // B
+#pragma unroll
+    for (int st = 0; st < kQStrips; ++st) {
+      float acc_dq[kDQ / 8][4];
+#pragma unroll
+      for (int n = 0; n < kDQ / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int ks = 0; ks < Bc / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kDQ / 16; ++n2) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, kt_b.at(sK_u, n2, ks * 16));
+          mma_16816<T>(acc_dq[2 * n2], a, bk[0], bk[1]);
+          mma_16816<T>(acc_dq[2 * n2 + 1], a, bk[2], bk[3]);
+        }
+      }
+      float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
+        if (row < nq) {
+#pragma unroll
+          for (int n = 0; n < kDQ / 8; ++n) {
+            const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
+            if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int key = key_w + (lane >> 2) + hf * 8;
+    if (key < nk) {
+      T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
+      T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
+#pragma unroll
+      for (int n = 0; n < kDS / 8; ++n) {
+        const int col = dw * kDS + n * 8 + (lane & 3) * 2;
+        if (col < d) {
+          store2<T>(dv_row + col, acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
+          store2<T>(dk_row + col, acc_dk[n][2 * hf] * scale, acc_dk[n][2 * hf + 1] * scale);
+        }
+      }
+    }
+  }
+}
+
+#endif  // CUPYFLASH_MMA_BWD_KEYMAJOR_CUH
