@@ -24,6 +24,8 @@
 // All products are 64 x N tiles computed by 256 threads from shared-memory slices of 32 along
 // the reduction axis (tile_mma): FFMA for float32 (TC = false), TF32 mma.sync for 16-bit inputs
 // (TC = true). Inputs are float, __half or __nv_bfloat16; staging and accumulation are float.
+// These passes serve float32 and the FFMA fallback; 16-bit inputs on sm_80+ take the fused walk
+// of linear_fused.cu instead. The TC = true tiles remain for linear_masked.cu.
 #ifndef CUPYFLASH_LINEAR_CHUNKED_CU
 #define CUPYFLASH_LINEAR_CHUNKED_CU
 #include "common.cuh"

@@ -22,7 +22,8 @@ def main() -> int:
     bad = 0
     cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", _dtypes.FLOAT16), ("mma", _dtypes.BFLOAT16)]
     for kernel, dtype in cases:
-        for (hq, hk, nq, nk, d, causal) in [(2, 1, 17, 33, 40, True), (2, 2, 33, 17, 64, True), (1, 1, 70, 70, 128, False)]:
+        for (hq, hk, nq, nk, d, causal) in [(2, 1, 17, 33, 40, True), (2, 2, 33, 17, 64, True), (1, 1, 70, 70, 128, False),
+                                               (2, 1, 70, 100, 128, True)]:
             q = cupy.asarray(rng.standard_normal((1, hq, nq, d)).astype(dtype))
             k = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
             v = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
@@ -38,17 +39,22 @@ def main() -> int:
     except ImportError:
         linear_attention_forward = None
     if linear_attention_forward is not None:
+        # (mask, causal, decay, N): masked tiles, the chunked/fused walk with and without decay,
+        # non-causal, and N = 600 (10 chunks, which the fused walk splits into segments).
+        variants = [("mask", True, False, 37), (None, True, False, 37), (None, True, True, 600), (None, False, False, 37)]
         for dtype in _dtypes.SUPPORTED:
-            for mask in (None, "mask"):
-                q = cupy.asarray(rng.standard_normal((1, 2, 37, 32)).astype(dtype))
-                k = cupy.asarray(rng.standard_normal((1, 1, 37, 32)).astype(dtype))
-                v = cupy.asarray(rng.standard_normal((1, 1, 37, 32)).astype(dtype))
-                m = None if mask is None else cupy.asarray(rng.random((37, 37)))
-                o = linear_attention_forward(q, k, v, causal=True, mask=m)
+            for mask, causal, decay, n in variants:
+                q = cupy.asarray(rng.standard_normal((1, 2, n, 32)).astype(dtype))
+                k = cupy.asarray(rng.standard_normal((1, 1, n, 32)).astype(dtype))
+                v = cupy.asarray(rng.standard_normal((1, 1, n, 32)).astype(dtype))
+                m = None if mask is None else cupy.asarray(rng.random((n, n)))
+                lam = cupy.asarray([0.9, 0.99]) if decay else None
+                o = linear_attention_forward(q, k, v, causal=causal, mask=m, decay=lam)
                 do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
-                grads = linear_attention_backward(do, q, k, v, causal=True, mask=m)
+                grads = linear_attention_backward(do, q, k, v, causal=causal, mask=m, decay=lam)
                 finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
-                print(f"linear   {str(dtype):8s} mask={mask}: {'ok' if finite else 'NON-FINITE'}")
+                print(f"linear   {str(dtype):8s} mask={mask} causal={causal} decay={decay} n={n}: "
+                      f"{'ok' if finite else 'NON-FINITE'}")
                 bad += not finite
     cupy.cuda.Device().synchronize()
     return 1 if bad else 0

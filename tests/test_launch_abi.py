@@ -125,8 +125,9 @@ def test_mma_launches_match_kernels(launches, causal):
     _check(launches)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16 reaches the fused tensor-core walk
 @pytest.mark.parametrize("path", ["chunked", "masked"])
-def test_linear_launches_match_kernels(launches, monkeypatch, path):
+def test_linear_launches_match_kernels(launches, monkeypatch, path, dtype):
     import cupy
     import cupy.lib.stride_tricks
 
@@ -140,7 +141,7 @@ def test_linear_launches_match_kernels(launches, monkeypatch, path):
     monkeypatch.setattr(cupy, "broadcast_to", lambda x, shape: as_device(np.broadcast_to(x, shape)))
     monkeypatch.setattr(cupy.lib.stride_tricks, "as_strided",
                         lambda x, shape, strides: as_device(np.lib.stride_tricks.as_strided(x, shape, strides)))  # fmt: skip
-    q, k, v, _ = _problem(np.dtype(np.float32))
+    q, k, v, _ = _problem(np.dtype(dtype))
     mask = _empty((33, 40), np.float32) if path == "masked" else None
     decay = _empty((4,), np.float32) if path == "chunked" else None
     if decay is not None:
@@ -148,4 +149,7 @@ def test_linear_launches_match_kernels(launches, monkeypatch, path):
     p = check_linear(q, k, v, causal=True, mask=mask, decay=decay)
     linear.forward(q, k, v, mask, decay, p, path=path)
     linear.backward(q, q, k, v, mask, decay, p, mask_grad=mask is not None, path=path)
+    names = [name for _, name, _ in launches]
+    if path == "chunked":
+        assert any(n.startswith("linear_fused_walk") for n in names) == (dtype == "float16")
     _check(launches)

@@ -23,8 +23,9 @@ if HAS_GPU:
 
 TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 DT = list(DTYPES)
-# (dtype, tile implementation): 16-bit inputs run TF32 tensor-core tiles by default and keep the
-# FFMA tiles reachable; float32 always runs FFMA.
+# (dtype, tile implementation): 16-bit inputs run tensor cores by default (the fused 16-bit walk on
+# the chunked path, TF32 tiles on the masked path) and keep the FFMA tiles reachable; float32
+# always runs FFMA.
 IMPLS = [("float32", "ffma"), ("float16", "tc"), ("float16", "ffma"), ("bfloat16", "tc"), ("bfloat16", "ffma")]
 IMPL_IDS = [f"{d}-{i}" for d, i in IMPLS]
 
@@ -86,8 +87,10 @@ CHUNKED = [
     ((2,), 2, 1, 150, 90, 256, False, False),  # two column blocks of D, non-causal
     ((3,), 2, 2, 65, 129, 17, False, False),
     ((1,), 2, 2, 1000, 1000, 96, True, True),
+    ((1,), 4, 2, 200, 170, 17, True, True),  # rows not 16-byte aligned: plain loads, not cp.async
 ]
-CHUNKED_IDS = ["mha-decay", "mqa-nq<nk", "gqa-nq>nk-d40", "n1", "d256-noncausal", "odd-noncausal", "n1000-decay"]
+CHUNKED_IDS = ["mha-decay", "mqa-nq<nk", "gqa-nq>nk-d40", "n1", "d256-noncausal", "odd-noncausal", "n1000-decay",
+               "unaligned-d17-decay"]
 
 
 @pytest.mark.parametrize("dtype_name,impl", IMPLS, ids=IMPL_IDS)
@@ -95,6 +98,42 @@ CHUNKED_IDS = ["mha-decay", "mqa-nq<nk", "gqa-nq>nk-d40", "n1", "d256-noncausal"
 def test_chunked(rng, dtype_name, impl, case):
     *shape, causal, decay = case
     check(rng, dtype_name, *shape, causal, decay=decay, path="chunked", impl=impl)
+
+
+def _fused_tiles():
+    from cupyflash.plans import linear as lp
+
+    return [(dk, dv, st) for dk, dv in lp.FUSED_SHAPES for st in lp.fused_stage_counts(dk)]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dk,dv,stages", _fused_tiles(), ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fused_tiles(rng, monkeypatch, dtype_name, dk, dv, stages, causal):
+    # Every fused-walk instantiation, forced: GQA (the reverse passes sum heads), Nq > Nk, a head
+    # dim short of DK (zero padding, two column blocks when DV = 32) and a partial last chunk.
+    monkeypatch.setattr(linear, "FUSED_DV", dv)
+    monkeypatch.setattr(linear, "FUSED_STAGES", stages)
+    seen = []
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda plan, args: (seen.append(plan.name), real(plan, args)))
+    check(rng, dtype_name, (2,), 4, 2, 150, 140, dk - 8, causal, decay=causal, path="chunked", impl="tc")
+    assert seen and all(n.endswith(f", {dk}, {dv}, {stages}>") for n in seen), seen
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("hk,nq,decay", [(4, 300, True), (2, 257, True), (4, 320, False)], ids=["mha", "gqa", "nodecay"])
+def test_fused_segments(rng, monkeypatch, dtype_name, segments, hk, nq, decay):
+    # Causal walks split into segments (a state-only launch, then walks from the earlier segments'
+    # sums): 5 chunks of keys in runs of 3 + 2, 2 + 2 + 1 and 1 each; Nq != Nk; under GQA only the
+    # forward passes split (the reverse ones sum heads and stay whole).
+    monkeypatch.setattr(linear, "FUSED_SEGMENTS", segments)
+    seen = []
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda plan, args: (seen.append(plan.grid), real(plan, args)))
+    check(rng, dtype_name, (2,), 4, hk, nq, 300, 64, True, decay=decay, path="chunked", impl="tc")
+    assert any(grid[2] == segments for grid in seen) and any(grid[2] == segments - 1 for grid in seen), seen
 
 
 # ---------------------------------------------------------------------------- masked (tiled)

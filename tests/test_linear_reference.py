@@ -317,7 +317,53 @@ def test_tensor_core_choice():
     assert not plans.use_tensor_cores("__half", 75)  # no TF32 mma.sync before sm_80
     with pytest.raises(ValueError):
         geom(ctype="float", tc=True)
-    assert plans.chunked_plan(geom(tc=True), rev=False).out.name == "linear_chunk_out<__half, 64, true>"
+    with pytest.raises(ValueError):
+        plans.chunked_plan(geom(tc=True), rev=False)  # 16-bit tensor cores take the fused walk
+
+
+def test_fused_plan():
+    from cupyflash.plans import A100, H100, RTX4090
+
+    g = geom(tc=True)  # 3 chunks: too few to split; three stages still let two blocks share an SM
+    fp = plans.fused_plan(g, rev=False, limits=H100)
+    assert fp.launch.name == "linear_fused_walk<__half, 64, 64, 3>" and fp.launch.grid == (2 * 4, 1, 1)
+    assert fp.launch.block == (128, 1, 1) and fp.launch.shared_bytes == plans.fused_shared_bytes(64, 64, 3)
+    assert fp.segments == 1 and fp.state is None
+    assert plans.fused_plan(g, rev=True, limits=H100).launch.grid == (2 * 2, 1, 1)  # one block per kv head
+    big = geom(batch=4, hq=16, hk=16, nq=8192, nk=8192, d=128, ctype="__nv_bfloat16", tc=True)
+    fp = plans.fused_plan(big, rev=False, limits=RTX4090)
+    assert (fp.dk, fp.dv, fp.stages) == (128, 64, 1)  # 99 KB: two stages of DK = 128, DV = 64 do not fit
+    assert plans.fused_plan(big, rev=False, limits=H100).stages == 2
+    assert plans.fused_shared_bytes(128, 64, 2) == 2 * (2 * (2 * 64 * 136 + 64 * 72) + 128 * 72)
+    wide = geom(d=200, ctype="__nv_bfloat16", tc=True)
+    assert plans.fused_plan(wide, rev=False, limits=A100).launch.name == "linear_fused_walk<__nv_bfloat16, 256, 32, 2>"
+    assert plans.fused_plan(wide, rev=False, limits=RTX4090).stages == 1
+    assert [plans.fused_dk(d) for d in (1, 64, 65, 128, 129, 256)] == [64, 64, 128, 128, 256, 256]
+    with pytest.raises(ValueError):
+        plans.fused_plan(wide, rev=False, limits=H100, dv=64)  # no DK = 256, DV = 64 tile
+    with pytest.raises(ValueError):
+        plans.fused_plan(geom(ctype="float"), rev=False, limits=H100)
+    with pytest.raises(ValueError):
+        plans.fused_plan(big, rev=False, limits=H100, stages=3)  # three stages only at DK = 64
+
+
+def test_fused_segments_plan():
+    from cupyflash.plans import H100
+
+    long = geom(batch=1, hq=16, hk=16, nq=32768, nk=32768, d=64, ctype="__nv_bfloat16", tc=True)
+    fp = plans.fused_plan(long, rev=False, limits=H100)  # 16 blocks: 16 segments of 32 chunks
+    assert (fp.dv, fp.segments, fp.seg_len) == (64, 16, 32) and fp.launch.grid == (16, 1, 16)
+    assert fp.state is not None and fp.state.grid == (16, 1, 15) and fp.u_shape == (1, 16, 16, 1, 64 * 64)
+    assert fp.state.name == fp.launch.name and fp.launch.shared_bytes == fp.state.shared_bytes
+    full = geom(batch=4, hq=16, hk=16, nq=8192, nk=8192, d=128, ctype="__nv_bfloat16", tc=True)
+    assert plans.fused_plan(full, rev=False, limits=H100).segments == 2  # 128 blocks -> 256 (2 per SM)
+    assert plans.fused_plan(full, rev=False, limits=H100, dv=32).segments == 1  # 256 blocks already
+    gqa = geom(tc=True)  # 3 chunks: forced segments clamp to the chunks, reverse GQA never splits
+    assert plans.fused_plan(gqa, rev=False, limits=H100, segments=5).segments == 3
+    assert plans.fused_plan(gqa, rev=True, limits=H100, segments=5).segments == 1
+    assert plans.fused_plan(geom(tc=True, causal=False), rev=False, limits=H100, segments=4).segments == 1
+    fp = plans.fused_plan(geom(tc=True, nk=300), rev=False, limits=H100, segments=3)  # 5 chunks: 2 + 2 + 1
+    assert (fp.segments, fp.seg_len) == (3, 2)
 
 
 def test_geometry_checks():
@@ -332,11 +378,15 @@ def test_instantiation_list():
     from cupyflash.kernels import linear
 
     inst = linear.instantiations()
-    # scan; float: FFMA only; 16-bit types: TF32 tensor cores and FFMA; 2 DV x (state, out, masked x 2)
-    assert len(inst) == len(set(inst)) == 1 + 1 * 8 + 2 * 2 * 8
+    # scan; float: FFMA, 2 DV x (state, out, masked x 2); 16-bit types: the same FFMA set, TF32 masked
+    # (2 DV x 2) and the fused walk (3 DK = 64 tiles x 3 ring depths, 4 wider tiles x 2)
+    assert len(inst) == len(set(inst)) == 1 + 8 + 2 * (8 + 4 + 17)
     assert ("linear_masked.cu", "linear_masked<float, 64, false, true>") in inst
-    assert ("linear_chunked.cu", "linear_chunk_out<__nv_bfloat16, 128, true>") in inst
-    assert not any("<float" in name and "true>" in name and "masked" not in name for _, name in inst)
+    assert ("linear_masked.cu", "linear_masked<__half, 128, true, false>") in inst
+    assert ("linear_fused.cu", "linear_fused_walk<__nv_bfloat16, 128, 64, 2>") in inst
+    assert ("linear_chunked.cu", "linear_chunk_out<__nv_bfloat16, 128, true>") not in inst
+    for _, name in inst:
+        assert "<float" not in name or not ("fused" in name or ("true>" in name and "masked" not in name))
 
 
 # ---------------------------------------------------------------------------- compile (no GPU)
@@ -380,4 +430,4 @@ def test_every_linear_kernel_compiles_without_spills(compiled):
         elif res.spills or res.stack_frame > 0:
             bad.append(res.line())
     assert not bad, "\n".join(bad)
-    assert len(compiled) == 2 * 41
+    assert len(compiled) == 2 * 67

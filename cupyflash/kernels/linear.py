@@ -1,7 +1,9 @@
 """Linear-attention kernels: launches of cuda_src/linear_chunked.cu and linear_masked.cu.
 
 ``path="auto"`` runs the chunked state-form kernels (O(N D^2)) when there is no mask and the
-tiled masked kernel (O(Nq Nk D)) otherwise; tests force either path with ``path=``.
+tiled masked kernel (O(Nq Nk D)) otherwise; tests force either path with ``path=``. On the
+chunked path, 16-bit inputs on sm_80+ run the fused tensor-core walk (linear_fused.cu, one launch
+per pass); float32 (and ``tensor_cores=False``) runs the three FFMA passes of linear_chunked.cu.
 Inputs are (..., H, N, D) CuPy arrays already checked by ``linear_api.check_linear``; batch dims
 are merged into 4-D strided views (``_layout``) and the kernels take element strides.
 """
@@ -18,6 +20,10 @@ from .build import launch_plan as _launch
 
 NAME = "linear"
 PATHS = ("auto", "chunked", "masked")
+#: Fused-walk tile overrides (None: ``plans.fused_plan`` decides); tests and dev benchmarks set them.
+FUSED_DV: int | None = None
+FUSED_STAGES: int | None = None
+FUSED_SEGMENTS: int | None = None
 
 
 def instantiations() -> list[tuple[str, str]]:
@@ -43,7 +49,8 @@ def _geometry(x4: Any, p, tc: bool) -> plans.LinearGeometry:
 
 
 def _tensor_cores(p, tensor_cores: bool | None) -> bool:
-    """TF32 tiles for 16-bit inputs on sm_80+ unless ``tensor_cores=False`` (tests reach both)."""
+    """Tensor cores for 16-bit inputs on sm_80+ unless ``tensor_cores=False`` (tests reach both):
+    the fused 16-bit walk on the chunked path, TF32 tiles on the masked path."""
     from ..plans import DeviceLimits
 
     able = plans.use_tensor_cores(_dtypes.CTYPE[p.base.dtype], DeviceLimits.current().compute_capability)
@@ -118,6 +125,36 @@ def _chunk_out(x4, y4, z4, o4, states, s_trans: bool, g, aux: _Aux, cp: plans.Ch
     )
 
 
+# ---------------------------------------------------------------------------- fused walk
+
+
+def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale: float) -> None:
+    """One pass of linear_fused_walk: O = scale [(X Y^T o W) Z + X (Y^T Z)] walked chunk by chunk
+    (forward order for o / dq, reverse for dk / dv, which sum the GQA group's query heads)."""
+    import cupy
+
+    from .._layout import rows_aligned
+    from ..plans import DeviceLimits
+
+    fp = plans.fused_plan(g, rev, DeviceLimits.current(), FUSED_DV, FUSED_STAGES, FUSED_SEGMENTS)
+    hout = g.hk if rev else g.hq
+    nx, nyz = (g.nk, g.nq) if rev else (g.nq, g.nk)
+    scratch = aux.dummy
+    if rev and g.group > 1:  # float partial sums over the group's query heads
+        scratch = cupy.empty((g.batch, hout, nx, g.d), dtype=np.float32)
+    vec = rows_aligned(x4, y4, z4, o4)
+    u = aux.dummy if fp.state is None else cupy.empty(fp.u_shape, dtype=np.float32)
+
+    def args(heads: int, group: int, state_only: bool) -> tuple:
+        return (*_tensor(x4), *_tensor(y4), *_tensor(z4), *_tensor(o4), scratch, u, aux.decay, aux.has_decay,
+                _i32(heads), _i32(group), _i32(nx), _i32(nyz), _i32(g.d), _i32(g.off), _i32(g.causal), _i32(rev),
+                _i32(vec), _i32(fp.segments), _i32(fp.seg_len), _i32(state_only), np.float32(scale))  # fmt: skip
+
+    if fp.state is not None:  # each segment's own state sum, one block per (query head, segment)
+        _launch(fp.state, args(g.hq, 1 if rev else g.group, True))  # X and O go unread there
+    _launch(fp.launch, args(hout, g.group, False))
+
+
 # ---------------------------------------------------------------------------- masked
 
 
@@ -179,6 +216,9 @@ def forward(q: Any, k: Any, v: Any, mask: Any, decay: Any, p, path: str = "auto"
         return o
     for q4, k4, v4, o4 in batch_views((q, k, v, o), b.batch):
         g = _geometry(q4, p, tc)
+        if tc:
+            _fused(q4, k4, v4, o4, g, aux, False, b.scale)
+            continue
         cp = plans.chunked_plan(g, rev=False)
         s = _states(k4, v4, g, aux, cp)
         _chunk_out(q4, k4, v4, o4, s, False, g, aux, cp, b.scale)
@@ -225,6 +265,11 @@ def backward(do: Any, q: Any, k: Any, v: Any, mask: Any, decay: Any, p, mask_gra
         return out + ((dm.astype(dmask_dtype(p.mask_dtype)),) if mask_grad else ())
     for do4, q4, k4, v4, dq4, dk4, dv4 in batch_views((do, q, k, v, dq, dk, dv), b.batch):
         g = _geometry(q4, p, tc)
+        if tc:
+            _fused(do4, v4, k4, dq4, g, aux, False, b.scale)
+            _fused(v4, do4, q4, dk4, g, aux, True, b.scale)
+            _fused(k4, q4, do4, dv4, g, aux, True, b.scale)
+            continue
         fwd = plans.chunked_plan(g, rev=False)
         s = _states(k4, v4, g, aux, fwd)
         _chunk_out(do4, v4, k4, dq4, s, True, g, aux, fwd, b.scale)

@@ -1,16 +1,20 @@
-"""Launch geometry of the linear-attention kernels (cuda_src/linear_chunked.cu, linear_masked.cu).
+"""Launch geometry of the linear-attention kernels (cuda_src/linear_chunked.cu, linear_masked.cu,
+linear_fused.cu).
 
-Pure functions of the shape: every kernel runs 256 threads on 64-row tiles (the chunk length C)
-and DV-column blocks of the head dim, with 43 KB or less of static shared memory; the device
-only decides ``tc`` (TF32 tensor cores need sm_80, see ``use_tensor_cores``).
+Pure functions of the shape and the device limits. The FFMA / TF32 kernels run 256 threads on
+64-row tiles (the chunk length C) and DV-column blocks of the head dim, with 43 KB or less of
+static shared memory. The fused tensor-core walk (16-bit inputs, sm_80+, ``fused_plan``) runs 128
+threads per (batch, head, DV-column block) with a cp.async ring of STAGES chunks in dynamic
+shared memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import LaunchPlan, cdiv
+from . import DeviceLimits, LaunchPlan, cdiv
 
 CHUNKED_SOURCE = "linear_chunked.cu"
+FUSED_SOURCE = "linear_fused.cu"
 MASKED_SOURCE = "linear_masked.cu"
 THREADS = 256
 CHUNK = 64  # chunk length C = rows of every tile (kChunk in the source)
@@ -41,7 +45,7 @@ class LinearGeometry:
     d: int
     causal: bool
     ctype: str  # "float", "__half" or "__nv_bfloat16"
-    tc: bool = False  # TF32 tensor-core tiles (16-bit inputs on sm_80+) instead of FFMA
+    tc: bool = False  # tensor cores (16-bit inputs on sm_80+): the fused walk (chunked), TF32 tiles (masked)
 
     def __post_init__(self) -> None:
         if self.tc and self.ctype == "float":
@@ -71,7 +75,8 @@ class LinearGeometry:
 
 
 def use_tensor_cores(ctype: str, compute_capability: int) -> bool:
-    """TF32 mma.sync tiles for 16-bit inputs on sm_80+; FFMA for float32 and older GPUs."""
+    """Tensor cores for 16-bit inputs on sm_80+ (16-bit mma in the fused walk, TF32 in the masked
+    tiles); FFMA for float32 and older GPUs."""
     return ctype != "float" and compute_capability >= 80
 
 
@@ -128,6 +133,8 @@ class ChunkedPlan:
 
 
 def chunked_plan(g: LinearGeometry, rev: bool) -> ChunkedPlan:
+    if g.tc:
+        raise ValueError("16-bit tensor-core chunked passes run the fused walk (fused_plan)")
     dv = g.dv
     nst = state_chunks(g, rev)
     nout = out_chunks(g, rev)
@@ -141,6 +148,111 @@ def chunked_plan(g: LinearGeometry, rev: bool) -> ChunkedPlan:
     out = _plan(CHUNKED_SOURCE, f"linear_chunk_out<{g.targs}>", (g.batch * hout * nout, cdiv(g.d, dv), 1))
     mode = SCAN_TOTAL if not g.causal else (SCAN_REVERSE if rev else SCAN_FORWARD)
     return ChunkedPlan(rev, state, scan, out, nst, nout, mode, (g.batch * g.hq, nst, g.d, g.d))
+
+
+# ---------------------------------------------------------------------------- fused walk (16-bit, sm_80+)
+
+FUSED_THREADS = 128
+#: (DK, DV): head dim padded to DK (zeros), output columns per block
+FUSED_SHAPES = ((64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64), (256, 32))
+FUSED_STAGES = (1, 2, 3)
+
+
+def fused_stage_counts(dk: int) -> tuple[int, ...]:
+    """Ring depths instantiated for DK: three only at DK = 64 (deeper ones cannot share an SM, and
+    DK = 128 spills with three on sm_80)."""
+    return FUSED_STAGES if dk == 64 else FUSED_STAGES[:2]
+
+
+def fused_dk(d: int) -> int:
+    """The head dim rounded up to a tile of the state split over 4 warps (64, 128 or 256)."""
+    if not 1 <= d <= 256:
+        raise ValueError(f"the fused walk takes head dims 1..256; got {d}")
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def fused_shared_bytes(dk: int, dv: int, stages: int) -> int:
+    """STAGES x (X, Y chunk tiles [64][DK + 8] and a Z tile [64][DV + 8]) + the state [DK][DV + 8], 16-bit."""
+    return 2 * (stages * (2 * CHUNK * (dk + 8) + CHUNK * (dv + 8)) + dk * (dv + 8))
+
+
+#: chunks per segment at least, when a causal walk is split into segments
+MIN_SEGMENT_CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """One pass of linear_fused_walk: o / dq (rev = False) or dk / dv (rev = True).
+
+    With ``segments`` > 1 the causal walk is split into runs of ``seg_len`` chunks: ``state`` (the
+    same kernel, state_only) first writes each run's own state sum into a float32 buffer of
+    ``u_shape``, then ``launch`` walks every run from the sum of the earlier ones."""
+
+    rev: bool
+    dk: int
+    dv: int
+    stages: int
+    launch: LaunchPlan
+    segments: int = 1
+    seg_len: int = 0
+    state: LaunchPlan | None = None
+    u_shape: tuple[int, ...] = (1,)
+
+
+def fused_plan(
+    g: LinearGeometry,
+    rev: bool,
+    limits: DeviceLimits,
+    dv: int | None = None,
+    stages: int | None = None,
+    segments: int | None = None,
+) -> FusedPlan:
+    """DV = 64 (DK = 256: 32, for registers): measured faster than 32 or 16 at D = 64 on an H200
+    even with fewer blocks, as narrower blocks recompute the score tile per column block.
+    STAGES: the deepest ring (chunks loaded ahead of the math) that still lets two blocks share an
+    SM (255 registers allow two), else the deepest that fits one.
+    A causal walk with fewer blocks than SMs is split into segments, up to one wave of two blocks
+    per SM (at least MIN_SEGMENT_CHUNKS chunks each), except the GQA reverse passes (their blocks
+    sum heads)."""
+    if g.ctype == "float":
+        raise ValueError("the fused walk runs 16-bit tensor-core tiles only")
+    dk = fused_dk(g.d)
+    hout = g.hk if rev else g.hq
+    if dv is None:
+        dv = 64 if dk <= 128 else 32
+    if (dk, dv) not in FUSED_SHAPES:
+        raise ValueError(f"no fused instantiation for DK={dk}, DV={dv}")
+    if stages is not None and stages not in fused_stage_counts(dk):
+        raise ValueError(f"no fused instantiation for DK={dk} with {stages} stages")
+    if stages is None:
+        two = [s for s in fused_stage_counts(dk) if 2 * fused_shared_bytes(dk, dv, s) <= limits.max_shared_per_block]
+        one = [s for s in fused_stage_counts(dk) if fused_shared_bytes(dk, dv, s) <= limits.max_shared_per_block]
+        stages = max(two or one or [1])
+    nbytes = fused_shared_bytes(dk, dv, stages)
+    if nbytes > limits.max_shared_per_block:
+        raise ValueError(
+            f"the fused walk needs {nbytes} B of shared memory; the device allows {limits.max_shared_per_block}"
+        )
+    ncol = cdiv(g.d, dv)
+    if g.batch * g.hq > MAX_GRID_X:
+        raise ValueError(f"linear_fused_walk: {g.batch * g.hq} blocks exceed the grid limit; split the batch")
+    nchunks = cdiv(g.nk, CHUNK)
+    blocks = g.batch * hout * ncol
+    if not g.causal or (rev and g.group > 1):
+        segments = 1
+    elif segments is None:
+        segments = (2 * limits.sm_count) // blocks if blocks < limits.sm_count else 1
+        segments = max(1, min(segments, nchunks // MIN_SEGMENT_CHUNKS))
+    segments = max(1, min(segments, nchunks))
+    seg_len = cdiv(nchunks, segments)
+    segments = cdiv(nchunks, seg_len)  # no empty segment
+    name = f"linear_fused_walk<{g.ctype}, {dk}, {dv}, {stages}>"
+    block = (FUSED_THREADS, 1, 1)
+    walk = LaunchPlan(FUSED_SOURCE, name, (g.batch * hout, ncol, segments), block, nbytes)
+    if segments == 1:
+        return FusedPlan(rev, dk, dv, stages, walk, 1, nchunks)
+    state = LaunchPlan(FUSED_SOURCE, name, (g.batch * g.hq, ncol, segments - 1), block, nbytes)
+    return FusedPlan(rev, dk, dv, stages, walk, segments, seg_len, state, (g.batch, g.hq, segments, ncol, dk * dv))
 
 
 # ---------------------------------------------------------------------------- masked (tiled)
@@ -169,8 +281,13 @@ def instantiations(ctypes: tuple[str, ...]) -> list[tuple[str, str]]:
     for t in ctypes:
         for tc in ("false",) if t == "float" else ("true", "false"):
             for dv in COLUMN_BLOCKS:
-                out.append((CHUNKED_SOURCE, f"linear_chunk_state<{t}, {dv}, {tc}>"))
-                out.append((CHUNKED_SOURCE, f"linear_chunk_out<{t}, {dv}, {tc}>"))
+                if tc == "false":  # 16-bit tensor-core chunked passes run the fused walk instead
+                    out.append((CHUNKED_SOURCE, f"linear_chunk_state<{t}, {dv}, {tc}>"))
+                    out.append((CHUNKED_SOURCE, f"linear_chunk_out<{t}, {dv}, {tc}>"))
                 for flag in ("false", "true"):
                     out.append((MASKED_SOURCE, f"linear_masked<{t}, {dv}, {tc}, {flag}>"))
+        if t != "float":
+            for dk, dv in FUSED_SHAPES:
+                for st in fused_stage_counts(dk):
+                    out.append((FUSED_SOURCE, f"linear_fused_walk<{t}, {dk}, {dv}, {st}>"))
     return out
