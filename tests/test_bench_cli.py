@@ -98,6 +98,21 @@ def test_linear_mode_shapes_and_passes():
         bench.parse_args(["--compare", "fla"], has_torch=True)
 
 
+def test_linear_decay_option(capsys):
+    from cupyflash.bench.linear_impls import decay_rates
+
+    assert not bench.parse_args(["--mode", "linear"], has_torch=True).decay
+    o = bench.parse_args(["--mode", "linear", "--decay", "--compare", "naive,fla"], has_torch=True)
+    assert o.decay
+    with pytest.raises(SystemExit):  # softmax attention has no decay
+        bench.parse_args(["--decay"], has_torch=True)
+    lam = decay_rates(16)
+    assert lam.dtype == np.float32 and lam.shape == (16,)
+    assert abs(lam[0] - (1 - 2.0**-5)) < 1e-7 and np.all(np.diff(lam) > 0) and np.all((0 < lam) & (lam < 1))
+    assert bench.main(["--mode", "linear", "--decay", "--list", "--compare", "none"]) == 0
+    assert "mode linear with decay" in capsys.readouterr().out
+
+
 def test_list_prints_the_plan_without_a_gpu(capsys):
     assert bench.main(["--list", "--suite", "quick", "--compare", "none"]) == 0
     out = capsys.readouterr().out

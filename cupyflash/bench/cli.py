@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", metavar="FILE", default=None, help="write every record as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="plot TFLOP/s against N (needs matplotlib)")
+    p.add_argument(
+        "--decay",
+        action="store_true",
+        help="linear mode: per-head decay lambda_h = 1 - 2^(-5 - h) (RetNet's rates) for cupyflash and fla; naive n/a",
+    )
     p.add_argument("--list", action="store_true", help="print the shapes that would run and exit (no GPU needed)")
     return p
 
@@ -124,6 +129,7 @@ class Options:
     json: str | None
     plot: str | None
     list: bool
+    decay: bool = False  # linear mode: per-head decay (linear_impls.decay_rates)
 
     @property
     def impls(self) -> tuple[str, ...]:
@@ -228,6 +234,8 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
     for k in kernels:
         if k not in KERNEL_CHOICES:
             parser.error(f"--kernels: {k!r} is not one of {KERNEL_CHOICES}")
+    if a.decay and a.mode != "linear":
+        parser.error("--decay is a linear-attention option (--mode linear)")
     if a.mode == "linear" and kernels != ("auto",):
         parser.error("--kernel/--kernels choose softmax kernel families; linear attention has its own")
     if a.runs < 1 or a.min_runs < 1 or a.warmup < 0 or a.max_seconds <= 0 or a.naive_budget_gb < 0:
@@ -251,13 +259,14 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
         json=a.json,
         plot=a.plot,
         list=a.list,
+        decay=a.decay,
     )
 
 
 def format_plan(opts: Options) -> str:
     flops = WORKLOAD_FLOPS[opts.mode]
-    lines = [f"mode {opts.mode}, suites {','.join(opts.suites)}, passes {','.join(opts.passes)}, "
-             f"implementations {', '.join(opts.impls)}"]
+    lines = [f"mode {opts.mode}{' with decay' if opts.decay else ''}, suites {','.join(opts.suites)}, "
+             f"passes {','.join(opts.passes)}, implementations {', '.join(opts.impls)}"]
     for s in opts.shapes:
         gf = ", ".join(f"{p} {flops(s.b, s.h, s.n, s.n, s.d, s.causal, p) / 1e9:.1f} GFLOP" for p in opts.passes)
         lines.append(f"  {s.label}: {gf}" + ("  [+ memory check]" if s.check_memory else ""))

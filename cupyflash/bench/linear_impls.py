@@ -15,6 +15,14 @@ from .shapes import Shape, fmt_bytes, heads_per_chunk, naive_linear_head_bytes
 # ---------------------------------------------------------------------------- linear impls
 
 
+def decay_rates(h: int) -> Any:
+    """``--decay``'s per-head rates lambda_h = 1 - 2^(-5 - h) (RetNet's), float32 NumPy:
+    from 0.969 (a ~32-position memory) up to 1 - 2^-20 for the last of 16 heads."""
+    import numpy
+
+    return (1.0 - 2.0 ** (-5.0 - numpy.arange(h))).astype(numpy.float32)
+
+
 def find_linear() -> tuple[Callable | None, Callable | None]:
     """cupyflash's linear attention forward and backward, if this build has them (exported
     at the top level, or in ``cupyflash.linear_api``)."""
@@ -32,18 +40,22 @@ def find_linear() -> tuple[Callable | None, Callable | None]:
 
 def cupyflash_linear_impl(kernel: str) -> Impl:
     def prepare(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
+        import cupy
+
         fwd, bwd = find_linear()
         if fwd is None:
             raise Unavailable("cupyflash has no linear_attention in this build")
+        # The API checks decay's range on the host: that copy is part of each timed call, as for a user.
+        lam = cupy.asarray(decay_rates(shape.h)) if opts.decay else None
         if pass_ == "fwd":
-            return Prepared(lambda i: fwd(sets[i].q, sets[i].k, sets[i].v, causal=True), "cupy")
+            return Prepared(lambda i: fwd(sets[i].q, sets[i].k, sets[i].v, causal=True, decay=lam), "cupy")
         if bwd is None:
             raise Unavailable("cupyflash has no linear_attention_backward in this build")
 
         def fwd_bwd(i: int) -> Any:
             s = sets[i]
-            fwd(s.q, s.k, s.v, causal=True)
-            return bwd(s.do, s.q, s.k, s.v, causal=True)
+            fwd(s.q, s.k, s.v, causal=True, decay=lam)
+            return bwd(s.do, s.q, s.k, s.v, causal=True, decay=lam)
 
         return Prepared(fwd_bwd, "cupy")
 
@@ -78,6 +90,8 @@ def naive_linear(q: Any, k: Any, v: Any, do: Any | None, chunk: int) -> Any:
 
 
 def naive_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
+    if opts.decay:
+        raise Unavailable("naive-linear runs without decay (the 50x comparison of issue 4 is without it)")
     backward = pass_ != "fwd"
     require_cupy_matmul(shape.dtype)
     head = naive_linear_head_bytes(shape.n, shape.itemsize, backward)
@@ -93,11 +107,14 @@ def naive_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: 
 
 def fla_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Options) -> Prepared:
     """fla's ``chunk_linear_attn`` with ``normalize=False`` and scale 1: the same operation as
-    ``cupyflash.linear_attention(q, k, v, causal=True)``. fla takes (B, N, H, D), so each set is
-    transposed into that layout once, outside the timed region."""
+    ``cupyflash.linear_attention(q, k, v, causal=True)``; with ``--decay``, ``chunk_simple_gla``
+    with ``g_gamma = log(lambda)`` (fla's head-wise constant decay), the same as ``decay=lambda``.
+    fla takes (B, N, H, D), so each set is transposed into that layout once, outside the timed
+    region."""
     try:
         import torch
         from fla.ops.linear_attn import chunk_linear_attn
+        from fla.ops.simple_gla import chunk_simple_gla
     except Exception as e:  # not installed, or no Triton/GPU for it
         raise Unavailable(f"fla-core is not importable: {first_line(e)}") from e
 
@@ -107,8 +124,16 @@ def fla_linear_impl(shape: Shape, pass_: str, sets: Sequence[InputSet], opts: Op
     ]
     grads_out = [to_torch(s.do).transpose(1, 2).contiguous() for s in sets]
 
-    def fwd(i: int) -> Any:
-        return chunk_linear_attn(*leaves[i], scale=1.0, normalize=False)[0]
+    if opts.decay:
+        g_gamma = torch.log(torch.as_tensor(decay_rates(shape.h), device=leaves[0][0].device))
+
+        def fwd(i: int) -> Any:
+            return chunk_simple_gla(*leaves[i], g_gamma=g_gamma, scale=1.0)[0]
+
+    else:
+
+        def fwd(i: int) -> Any:
+            return chunk_linear_attn(*leaves[i], scale=1.0, normalize=False)[0]
 
     def fwd_bwd(i: int) -> None:
         for x in leaves[i]:

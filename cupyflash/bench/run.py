@@ -51,7 +51,10 @@ def run(opts: Options) -> list[Record]:
     if any(i in TORCH_BACKENDS for i in opts.compare):
         import torch  # noqa: F401  (imported before environment() so its version is recorded)
     env = environment()
-    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    if opts.decay:  # recorded with every measurement: the same shapes run with and without it
+        env["linear_decay"] = "lambda_h = 1 - 2**(-5 - h)"
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}"
+             + (f", decay {env['linear_decay']}" if opts.decay else ""))
     rng = cupy.random.default_rng(opts.seed)
     impls = {name: workload.impl(name) for name in opts.impls}
     records: list[Record] = []
