@@ -20,80 +20,16 @@
 // (as in FlashAttention-2). Rows whose starts are not 16-byte aligned take plain loads instead.
 #pragma once
 #include "common.cuh"
+#include "mma_primitives.cuh"
 
 namespace cupyflash {
 namespace linear_fused {
 
-using uint32_t = unsigned int;
+// ldmatrix, mma.sync, cp.async and 16-bit packing: the attention kernels' building blocks.
+using namespace cupyflash::mma;
 
 constexpr int kThreads = 128;
 constexpr int kC = 64;  // chunk length
-
-template <typename A, typename B> inline constexpr bool same_v = false;
-template <typename A> inline constexpr bool same_v<A, A> = true;
-
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-// 16-byte copy; src_bytes < 16 zero-fills the rest (0 reads nothing: rows and columns outside).
-__device__ __forceinline__ void copy16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_groups() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Lane l addresses row l % 8 of matrix l / 8; register j receives matrix j.
-__device__ __forceinline__ void ldsm(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// Transposed: lane (g, t) receives rows 2t, 2t + 1 of column g (the stored rows are the k index).
-__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    static_assert(same_v<T, __nv_bfloat16>, "tensor-core tiles take __half or __nv_bfloat16");
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  if constexpr (same_v<T, __half>) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float2 unpack(uint32_t u) {
-  if constexpr (same_v<T, __half>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&u));
-  } else {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-  }
-}
 
 // lambda^e from lg = log2(lambda); e == 0 is exactly 1 even when lambda^1 underflows.
 __device__ __forceinline__ float dpow(float lg, int e) { return e == 0 ? 1.f : exp2f(lg * float(e)); }
@@ -111,7 +47,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long ld, in
       const int r = i / SEG, c = 8 * (i % SEG);
       const int gr = row0 + r, gc = col0 + c;
       const int n = (gr >= 0 && gr < nrows) ? min(max(ncols - gc, 0), 8) : 0;
-      copy16(saddr(dst + r * PITCH + c), n ? src + (long long)gr * ld + gc : src, 2 * n);
+      cp_async_16(smem_u32(dst + r * PITCH + c), n ? src + (long long)gr * ld + gc : src, 2 * n);
     }
   } else {
     for (int i = threadIdx.x; i < kC * COLS; i += kThreads) {
@@ -213,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
         load_tile<T, DV, ZP>(buf + 2 * kC * XP, Z + b * zsb + hyz * zsh, zsn, st.yrow0, nyz, col0, D, vec);
       }
     }
-    commit();  // empty groups keep the wait count uniform
+    cp_async_commit();  // empty groups keep the wait count uniform
   };
 
   // Per-lane ldmatrix offsets (bytes). A of X (rows m, cols k); B of Y (rows n, cols k) and A of
@@ -221,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
   const uint32_t off_a = 2 * ((16 * warp + lane % 8 + 8 * ((lane / 8) % 2)) * XP + 8 * (lane / 16));
   const uint32_t off_y = 2 * ((lane % 8 + 8 * (lane / 16)) * XP + 8 * ((lane / 8) % 2));
   const uint32_t off_t = 2 * ((lane % 8 + 8 * ((lane / 8) % 2)) * ZP + 8 * (lane / 16));
-  const uint32_t s_base = saddr(Ss);
+  const uint32_t s_base = smem_u32(Ss);
 
   float S[MT][NT][4];  // this warp's rows of the running state (float32)
   auto store_state = [&]() {  // S as the 16-bit B operand of the next X S
@@ -230,8 +166,8 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int d = warp * (DK / 4) + 16 * m + gq, c = 8 * n + 2 * tq;
-        *reinterpret_cast<uint32_t*>(Ss + d * ZP + c) = pack<T>(S[m][n][0], S[m][n][1]);
-        *reinterpret_cast<uint32_t*>(Ss + (d + 8) * ZP + c) = pack<T>(S[m][n][2], S[m][n][3]);
+        *reinterpret_cast<uint32_t*>(Ss + d * ZP + c) = pack2<T>(S[m][n][0], S[m][n][1]);
+        *reinterpret_cast<uint32_t*>(Ss + (d + 8) * ZP + c) = pack2<T>(S[m][n][2], S[m][n][3]);
       }
   };
   const int Hq = rev ? Hout * group : Hout;
@@ -265,10 +201,10 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
   for (int s = 0; s < total; ++s) {
     issue(s + STAGES - 1);
-    wait_groups<STAGES - 1>();
+    cp_async_wait<STAGES - 1>();
     __syncthreads();
     const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, state_only);
-    const uint32_t xs = saddr(ring + (s % STAGES) * TILE), ys = xs + 2 * kC * XP, zs = ys + 2 * kC * XP;
+    const uint32_t xs = smem_u32(ring + (s % STAGES) * TILE), ys = xs + 2 * kC * XP, zs = ys + 2 * kC * XP;
     const int hq = rev ? ho * group + st.g : ho;
     const bool dec = causal && has_decay;
     const float lg = dec ? log2f(decay[hq]) : 0.f;
@@ -298,23 +234,23 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
 #pragma unroll KU
       for (int k0 = 0; k0 < DK; k0 += 16) {
         uint32_t a[4];
-        ldsm(a, xs + off_a + 2 * k0);
+        ldmatrix_x4(a, xs + off_a + 2 * k0);
         if (st.intra) {
 #pragma unroll
           for (int np = 0; np < 4; ++np) {
             uint32_t bf[4];
-            ldsm(bf, ys + off_y + 2 * (np * 16 * XP + k0));
-            mma<T>(sc[2 * np], a, bf[0], bf[1]);
-            mma<T>(sc[2 * np + 1], a, bf[2], bf[3]);
+            ldmatrix_x4(bf, ys + off_y + 2 * (np * 16 * XP + k0));
+            mma_16816<T>(sc[2 * np], a, bf[0], bf[1]);
+            mma_16816<T>(sc[2 * np + 1], a, bf[2], bf[3]);
           }
         }
         if (st.inter) {
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             uint32_t bf[4];
-            ldsm_t(bf, s_base + off_t + 2 * (k0 * ZP + np * 16));
-            mma<T>(acc[2 * np], a, bf[0], bf[1]);
-            mma<T>(acc[2 * np + 1], a, bf[2], bf[3]);
+            ldmatrix_x4_trans(bf, s_base + off_t + 2 * (k0 * ZP + np * 16));
+            mma_16816<T>(acc[2 * np], a, bf[0], bf[1]);
+            mma_16816<T>(acc[2 * np + 1], a, bf[2], bf[3]);
           }
         }
       }
@@ -341,10 +277,10 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
           }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          P[kk][0] = pack<T>(sc[2 * kk][0], sc[2 * kk][1]);
-          P[kk][1] = pack<T>(sc[2 * kk][2], sc[2 * kk][3]);
-          P[kk][2] = pack<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          P[kk][3] = pack<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+          P[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
+          P[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+          P[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+          P[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
       }
     }
@@ -364,19 +300,19 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
       for (int kk = 0; kk < 4; ++kk) {
         uint32_t zf[NT / 2][4];
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) ldsm_t(zf[np], zs + off_t + 2 * (16 * kk * ZP + np * 16));
+        for (int np = 0; np < NT / 2; ++np) ldmatrix_x4_trans(zf[np], zs + off_t + 2 * (16 * kk * ZP + np * 16));
         if (st.intra) {
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
-            mma<T>(acc[2 * np], P[kk], zf[np][0], zf[np][1]);
-            mma<T>(acc[2 * np + 1], P[kk], zf[np][2], zf[np][3]);
+            mma_16816<T>(acc[2 * np], P[kk], zf[np][0], zf[np][1]);
+            mma_16816<T>(acc[2 * np + 1], P[kk], zf[np][2], zf[np][3]);
           }
         }
         if (st.upd) {
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             uint32_t a[4];
-            ldsm_t(a, ys + off_y + 2 * (16 * kk * XP + warp * (DK / 4) + 16 * m));
+            ldmatrix_x4_trans(a, ys + off_y + 2 * (16 * kk * XP + warp * (DK / 4) + 16 * m));
             if (dec) {
               // a_s on the k index: registers 0, 1 hold rows 2t, 2t + 1; registers 2, 3 rows + 8
 #pragma unroll
@@ -386,15 +322,15 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
                 const float f1 = dpow(lg, rev ? s0 + 2 : kC - s0 - 1);
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                  const float2 v = unpack<T>(a[2 * h + j]);
-                  a[2 * h + j] = pack<T>(v.x * f0, v.y * f1);
+                  const float2 v = unpack2<T>(a[2 * h + j]);
+                  a[2 * h + j] = pack2<T>(v.x * f0, v.y * f1);
                 }
               }
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
-              mma<T>(S[m][2 * np], a, zf[np][0], zf[np][1]);
-              mma<T>(S[m][2 * np + 1], a, zf[np][2], zf[np][3]);
+              mma_16816<T>(S[m][2 * np], a, zf[np][0], zf[np][1]);
+              mma_16816<T>(S[m][2 * np + 1], a, zf[np][2], zf[np][3]);
             }
           }
         }
@@ -428,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
           }
           T* op = Ob + (long long)row * osn + col;
           if (two && vec) {
-            *reinterpret_cast<uint32_t*>(op) = pack<T>(v0, v1);
+            *reinterpret_cast<uint32_t*>(op) = pack2<T>(v0, v1);
           } else {
             op[0] = cupyflash::from_float<T>(v0);
             if (two) op[1] = cupyflash::from_float<T>(v1);
@@ -439,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
     __syncthreads();  // every read of this stage's tiles and of Ss is done
     if (st.upd && !state_only) store_state();
   }
-  wait_groups<0>();
+  cp_async_wait<0>();
   if (state_only) {
     float* u = u_slot(ho, blockIdx.z);
 #pragma unroll
