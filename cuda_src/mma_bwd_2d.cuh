@@ -167,16 +167,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         uint32_t a[kMS][4];
 #pragma unroll
         for (int m = 0; m < kMS; ++m) ldmatrix_x4(a[m], kv_a.at(sK_u, ks, m * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kNS / 2; ++n2) {
-          uint32_t bq[4];
-          ldmatrix_x4(bq, qn_b.at(sQ_u, ks, n2 * 16));
-#pragma unroll
-          for (int m = 0; m < kMS; ++m) {
-            mma_16816<T>(pt[m][2 * n2], a[m], bq[0], bq[1]);
-            mma_16816<T>(pt[m][2 * n2 + 1], a[m], bq[2], bq[3]);
-          }
-        }
+        mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
       }
       float c = scale_log2;
 #pragma unroll
@@ -229,16 +220,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         uint32_t a[kMS][4];
 #pragma unroll
         for (int m = 0; m < kMS; ++m) ldmatrix_x4(a[m], kv_a.at(sV_u, ks, m * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kNS / 2; ++n2) {
-          uint32_t bo[4];
-          ldmatrix_x4(bo, qn_b.at(sdO_u, ks, n2 * 16));
-#pragma unroll
-          for (int m = 0; m < kMS; ++m) {
-            mma_16816<T>(dpt[m][2 * n2], a[m], bo[0], bo[1]);
-            mma_16816<T>(dpt[m][2 * n2 + 1], a[m], bo[2], bo[3]);
-          }
-        }
+        mma_k16<T, false>(dpt, a, [&](int n2) { return qn_b.at(sdO_u, ks, n2 * 16); });
       }
 #pragma unroll
       for (int n = 0; n < kNS; ++n) {
@@ -270,28 +252,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         uint32_t a[kMV][4];
 #pragma unroll
         for (int m = 0; m < kMV; ++m) ldmatrix_x4(a[m], p_a.at(sP_u, kq, m * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kNV / 2; ++n2) {
-          uint32_t bo[4];
-          ldmatrix_x4_trans(bo, qt_b.at(sdO_u, n2, kq * 16));
-#pragma unroll
-          for (int m = 0; m < kMV; ++m) {
-            mma_16816<T>(acc_dv[m][2 * n2], a[m], bo[0], bo[1]);
-            mma_16816<T>(acc_dv[m][2 * n2 + 1], a[m], bo[2], bo[3]);
-          }
-        }
+        mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
 #pragma unroll
         for (int m = 0; m < kMV; ++m) ldmatrix_x4(a[m], p_a.at(sdS_u, kq, m * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kNV / 2; ++n2) {
-          uint32_t bq[4];
-          ldmatrix_x4_trans(bq, qt_b.at(sQ_u, n2, kq * 16));
-#pragma unroll
-          for (int m = 0; m < kMV; ++m) {
-            mma_16816<T>(acc_dk[m][2 * n2], a[m], bq[0], bq[1]);
-            mma_16816<T>(acc_dk[m][2 * n2 + 1], a[m], bq[2], bq[3]);
-          }
-        }
+        mma_k16<T, true>(acc_dk, a, [&](int n2) { return qt_b.at(sQ_u, n2, kq * 16); });
       }
     }
 
@@ -315,16 +279,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         uint32_t a[kMQ][4];
 #pragma unroll
         for (int m = 0; m < kMQ; ++m) ldmatrix_x4_trans(a[m], ds_a.at(sdS_u, m, ks * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kNQ / 2; ++n2) {
-          uint32_t bk[4];
-          ldmatrix_x4_trans(bk, kt_b.at(sK_u, n2, ks * 16));
-#pragma unroll
-          for (int m = 0; m < kMQ; ++m) {
-            mma_16816<T>(acc_dq[m][2 * n2], a[m], bk[0], bk[1]);
-            mma_16816<T>(acc_dq[m][2 * n2 + 1], a[m], bk[2], bk[3]);
-          }
-        }
+        mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
 #pragma unroll

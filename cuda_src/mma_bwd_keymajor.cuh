@@ -161,13 +161,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
       ldmatrix_x4(a, kv_a.at(sK_u, ks));
-#pragma unroll
-      for (int n2 = 0; n2 < kNQ / 2; ++n2) {
-        uint32_t bq[4];
-        ldmatrix_x4(bq, qn_b.at(sQ_u, ks, n2 * 16));
-        mma_16816<T>(pt[2 * n2], a, bq[0], bq[1]);
-        mma_16816<T>(pt[2 * n2 + 1], a, bq[2], bq[3]);
-      }
+      mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
     }
     const float c = positive_scale<kNQ>(pt, scale_log2);
     if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
@@ -193,13 +187,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
       a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
       a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
-#pragma unroll
-      for (int n2 = 0; n2 < kDS / 16; ++n2) {
-        uint32_t bo[4];
-        ldmatrix_x4_trans(bo, qt_b.at(sdO_u, n2, kq * 16));
-        mma_16816<T>(acc_dv[2 * n2], a, bo[0], bo[1]);
-        mma_16816<T>(acc_dv[2 * n2 + 1], a, bo[2], bo[3]);
-      }
+      mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
     }
 
     // dP^T = V_j dO_i^T, dS^T = P^T (dP^T - Delta), dK_j += dS^T Q_i, one chunk of kNC query tiles at a
@@ -217,13 +205,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t a[4];
         ldmatrix_x4(a, kv_a.at(sV_u, ks));
-#pragma unroll
-        for (int n2 = 0; n2 < kNC / 2; ++n2) {
-          uint32_t bo[4];
-          ldmatrix_x4(bo, qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16));
-          mma_16816<T>(dpt[2 * n2], a, bo[0], bo[1]);
-          mma_16816<T>(dpt[2 * n2 + 1], a, bo[2], bo[3]);
-        }
+        mma_k16<T, false>(dpt, a, [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
       }
 #pragma unroll
       for (int n = 0; n < kNC; ++n) {
@@ -251,13 +233,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
           *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
           *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
         }
-#pragma unroll
-        for (int n2 = 0; n2 < kDS / 16; ++n2) {
-          uint32_t bq[4];
-          ldmatrix_x4_trans(bq, qt_b.at(sQ_u, n2, kq * 16));
-          mma_16816<T>(acc_dk[2 * n2], a, bq[0], bq[1]);
-          mma_16816<T>(acc_dk[2 * n2 + 1], a, bq[2], bq[3]);
-        }
+        mma_k16<T, true>(acc_dk, a, [&](int n2) { return qt_b.at(sQ_u, n2, kq * 16); });
       }
     }
     __syncthreads();  // dS^T complete
@@ -283,13 +259,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       for (int ks = 0; ks < Bc / 16; ++ks) {
         uint32_t a[4];
         ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
-#pragma unroll
-        for (int n2 = 0; n2 < kDQ / 16; ++n2) {
-          uint32_t bk[4];
-          ldmatrix_x4_trans(bk, kt_b.at(sK_u, n2, ks * 16));
-          mma_16816<T>(acc_dq[2 * n2], a, bk[0], bk[1]);
-          mma_16816<T>(acc_dq[2 * n2 + 1], a, bk[2], bk[3]);
-        }
+        mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
 #pragma unroll

@@ -128,16 +128,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       uint32_t a[kM][4];
 #pragma unroll
       for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], q_rows.at(sQ_u, ks, mi * 16));
-#pragma unroll
-      for (int n2 = 0; n2 < kNT / 2; ++n2) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, k_rows.at(sKs, ks, n2 * 16));
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          mma_16816<T>(s[mi][2 * n2], a[mi], bk[0], bk[1]);
-          mma_16816<T>(s[mi][2 * n2 + 1], a[mi], bk[2], bk[3]);
-        }
-      }
+      mma_k16<T, false>(s, a, [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
     }
 
     // Mask (only tiles that cross N or the diagonal), online softmax with the scale in the exponent.
