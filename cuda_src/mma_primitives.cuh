@@ -79,7 +79,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
-// Two floats rounded to T and packed lo | hi << 16 (lo is the lower column of a fragment pair).
 // One k16 step of a warp's tile, acc[m][n] += A_m B_n: kM 16-row A fragments already in registers,
 // kN 8-column B fragments read here two per ldmatrix.x4 (.trans where B's stored rows are the
 // contraction index); b_addr(n2) is the smem address of fragments 2 n2 and 2 n2 + 1.
@@ -101,23 +100,14 @@ __device__ __forceinline__ void mma_k16(float (&acc)[kM][kN][4], const uint32_t 
     }
   }
 }
-// The same for one 16-row strip of A.
+
+// The same for one 16-row strip of A (a 1 x kN tile).
 template <typename T, bool kTransB, int kN, typename BAddr>
 __device__ __forceinline__ void mma_k16(float (&acc)[kN][4], const uint32_t (&a)[4], BAddr b_addr) {
-  static_assert(kN % 2 == 0, "B fragments come in pairs");
-#pragma unroll
-  for (int n2 = 0; n2 < kN / 2; ++n2) {
-    uint32_t b[4];
-    if constexpr (kTransB) {
-      ldmatrix_x4_trans(b, b_addr(n2));
-    } else {
-      ldmatrix_x4(b, b_addr(n2));
-    }
-    mma_16816<T>(acc[2 * n2], a, b[0], b[1]);
-    mma_16816<T>(acc[2 * n2 + 1], a, b[2], b[3]);
-  }
+  mma_k16<T, kTransB>(reinterpret_cast<float(&)[1][kN][4]>(acc), reinterpret_cast<const uint32_t(&)[1][4]>(a), b_addr);
 }
 
+// Two floats rounded to T and packed lo | hi << 16 (lo is the lower column of a fragment pair).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (is_same_v<T, __half>) {
