@@ -37,11 +37,21 @@ __device__ __forceinline__ float dpow(float lg, int e) { return e == 0 ? 1.f : e
 // Rows row0 .. row0 + 63 (those outside [0, nrows) as zeros) and columns col0 .. col0 + COLS - 1
 // (those >= ncols as zeros) of a row-major matrix into a [64][PITCH] tile. vec: every row starts
 // on 16 bytes, so cp.async moves 8 elements at a time; else plain loads (visible after a sync).
+// A whole tile in range (most chunks) takes the short path: each thread owns one 8-column segment
+// and walks rows 128 / SEG apart, with no per-element index arithmetic or bounds checks.
 template <typename T, int COLS, int PITCH>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long ld, int row0, int nrows, int col0,
                                           int ncols, bool vec) {
-  if (vec) {
-    constexpr int SEG = COLS / 8;
+  constexpr int SEG = COLS / 8;
+  static_assert(kThreads % SEG == 0, "a thread's segment column stays fixed across its rows");
+  if (vec && row0 >= 0 && row0 + kC <= nrows && col0 + COLS <= ncols) {
+    constexpr int RSTEP = kThreads / SEG;
+    const int r = threadIdx.x / SEG, c = 8 * (threadIdx.x % SEG);
+    const T* g = src + (long long)(row0 + r) * ld + col0 + c;
+    const uint32_t d = smem_u32(dst + r * PITCH + c);
+#pragma unroll
+    for (int j = 0; j < kC / RSTEP; ++j) cp_async_16(d + 2 * j * RSTEP * PITCH, g + j * RSTEP * ld, 16);
+  } else if (vec) {
 #pragma unroll 1
     for (int i = threadIdx.x; i < kC * SEG; i += kThreads) {
       const int r = i / SEG, c = 8 * (i % SEG);
@@ -98,31 +108,42 @@ __device__ __forceinline__ Step step_of(int s, int per_g, int l0, int nck, int n
 
 using namespace cupyflash::linear_fused;
 
-// Grid: x = b * Hout + ho, y = DV-column block, z = segment; 128 threads; dynamic shared memory
-// STAGES * (2 * 64 * (DK + 8) + 64 * (DV + 8)) + DK * (DV + 8) elements of T.
-// Segments (causal only) split a walk of n chunks into nseg runs of seg_len chunks so that small
-// batches still fill the GPU: a state_only launch (z = p < nseg - 1, X and O unused) writes each
-// segment's own sum U_p = sum over its chunks of the decayed Y^T diag(a) Z; the walk of segment p
-// then starts from S = sum_{p' < p} lambda^(C seg_len (p - 1 - p')) U_p' instead of 0.
-// U: float32 (B, Hq, nseg, gridDim.y, DK * DV) in the accumulator's register order.
+// The walk; STATE (linear_fused_state) keeps only the state update: no X, no outputs, no Ss.
+// Grid: x = b * Hout + ho, y = DV-column block, z = segment (walk) or U slot (state); 128 threads;
+// dynamic shared memory (fused_shared_bytes / fused_state_bytes in plans/linear.py)
+//   walk:  STAGES * (2 * 64 * (DK + 8) + 64 * (DV + 8)) + DK * (DV + 8) elements of T,
+//   state: STAGES * (64 * (DK + 8) + 64 * (DV + 8)).
+// Segments (causal only) split a walk of n chunks into runs of seg_len chunks so that small batches
+// still fill the GPU. The state kernel first writes the own sums of runs of sub_len chunks (sub_len
+// divides seg_len; many short runs fill the GPU better than one per segment):
+//   U_q = sum over chunks of slot q of the decayed Y^T diag(a) Z;
+// the walk of segment p then starts from S = sum_{q < Q} lambda^(C sub_len (Q - 1 - q)) U_q,
+// Q = p seg_len / sub_len, instead of 0.
+// U: float32 (B, Hq, nslot, gridDim.y, DK * DV) in the accumulator's register order.
 // rev = 0: Hout = Hq, X of head ho, Y/Z of kv head ho / group. rev = 1: Hout = Hk, X of kv head ho,
 // Y/Z of query heads ho * group + g, summed over g (scratch: float32 (B, Hout, nx, D), group > 1).
-template <typename T, int DK, int DV, int STAGES>
-__global__ void __launch_bounds__(kThreads) linear_fused_walk(
-    const T* __restrict__ X, long long xsb, long long xsh, long long xsn, const T* __restrict__ Y, long long ysb,
-    long long ysh, long long ysn, const T* __restrict__ Z, long long zsb, long long zsh, long long zsn,
-    T* __restrict__ O, long long osb, long long osh, long long osn, float* __restrict__ scratch, float* __restrict__ U,
-    const float* __restrict__ decay, int has_decay, int Hout, int group, int nx, int nyz, int D, int off, int causal,
-    int rev, int vec, int nseg, int seg_len, int state_only, float scale) {
+#define LINEAR_FUSED_PARAMS                                                                                          \
+  const T *__restrict__ X, long long xsb, long long xsh, long long xsn, const T *__restrict__ Y, long long ysb,      \
+      long long ysh, long long ysn, const T *__restrict__ Z, long long zsb, long long zsh, long long zsn,            \
+      T *__restrict__ O, long long osb, long long osh, long long osn, float *__restrict__ scratch,                    \
+      float *__restrict__ U, const float *__restrict__ decay, int has_decay, int Hout, int group, int nx, int nyz,   \
+      int D, int off, int causal, int rev, int vec, int nslot, int seg_len, int sub_len, float scale
+#define LINEAR_FUSED_ARGS                                                                                            \
+  X, xsb, xsh, xsn, Y, ysb, ysh, ysn, Z, zsb, zsh, zsn, O, osb, osh, osn, scratch, U, decay, has_decay, Hout, group, \
+      nx, nyz, D, off, causal, rev, vec, nslot, seg_len, sub_len, scale
+
+template <typename T, int DK, int DV, int STAGES, bool STATE>
+__device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
   static_assert(DK % 64 == 0 && DV % 16 == 0, "the state splits into 4 warps x 16-row tiles, DV into n8 pairs");
   constexpr int XP = DK + 8, ZP = DV + 8;  // pitches: 8 rows of one ldmatrix fall in 8 bank groups
-  constexpr int TILE = 2 * kC * XP + kC * ZP;
+  constexpr int XT = STATE ? 0 : kC * XP;  // the X tile (none in the state kernel)
+  constexpr int TILE = XT + kC * XP + kC * ZP;
   constexpr int NT = DV / 8;   // n8 tiles of an output row block / of a state row block
   constexpr int MT = DK / 64;  // m16 tiles of the state per warp
   constexpr int KU = DK >= 256 ? 1 : 2;  // unroll of the pass over D (DK = 256 would spill on sm_80)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const ring = reinterpret_cast<T*>(smem_raw);
-  T* const Ss = ring + STAGES * TILE;  // S_c as the B operand of X S, [DK][ZP]
+  T* const Ss = ring + STAGES * TILE;  // S_c as the B operand of X S, [DK][ZP] (walk only)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int b = blockIdx.x / Hout, ho = blockIdx.x % Hout;
@@ -131,8 +152,9 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
   // causal: chunks of key positions (keys are the X rows of the reverse passes, else the Y/Z rows)
   const int nchunks = causal ? (((rev ? nx : nyz) + kC - 1) / kC) : 0;
   const int nyc = (nyz + kC - 1) / kC, nxc = (nx + kC - 1) / kC;
-  const int l0 = causal ? blockIdx.z * seg_len : 0;
-  const int per_g = causal ? min(seg_len, nchunks - l0) : nyc + nxc;
+  const int l0 = causal ? blockIdx.z * (STATE ? sub_len : seg_len) : 0;
+  const int run = STATE ? sub_len : seg_len;
+  const int per_g = causal ? min(run, nchunks - l0) : nyc + nxc;
   const int total = G * per_g;
 
   const T* const Xb = X + b * xsb + ho * xsh;
@@ -140,13 +162,13 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
 
   auto issue = [&](int s) {
     if (s < total) {
-      const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, state_only);
+      const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, STATE);
       T* buf = ring + (s % STAGES) * TILE;
       const int hyz = yz_head(st.g);
-      if (st.out) load_tile<T, DK, XP>(buf, Xb, xsn, st.xrow0, nx, 0, D, vec);
+      if (!STATE && st.out) load_tile<T, DK, XP>(buf, Xb, xsn, st.xrow0, nx, 0, D, vec);
       if (st.intra || st.upd) {
-        load_tile<T, DK, XP>(buf + kC * XP, Y + b * ysb + hyz * ysh, ysn, st.yrow0, nyz, 0, D, vec);
-        load_tile<T, DV, ZP>(buf + 2 * kC * XP, Z + b * zsb + hyz * zsh, zsn, st.yrow0, nyz, col0, D, vec);
+        load_tile<T, DK, XP>(buf + XT, Y + b * ysb + hyz * ysh, ysn, st.yrow0, nyz, 0, D, vec);
+        load_tile<T, DV, ZP>(buf + XT + kC * XP, Z + b * zsb + hyz * zsh, zsn, st.yrow0, nyz, col0, D, vec);
       }
     }
     cp_async_commit();  // empty groups keep the wait count uniform
@@ -171,24 +193,25 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
       }
   };
   const int Hq = rev ? Hout * group : Hout;
-  // this block's slot of U for decay head hq and segment p (thread-private register order)
-  auto u_slot = [&](int hq, int p) {
-    return U + (((long long)(b * Hq + hq) * nseg + p) * gridDim.y + blockIdx.y) * (DK * DV) + threadIdx.x;
+  // this block's part of U slot q for decay head hq (thread-private register order)
+  auto u_slot = [&](int hq, int q) {
+    return U + (((long long)(b * Hq + hq) * nslot + q) * gridDim.y + blockIdx.y) * (DK * DV) + threadIdx.x;
   };
 
   // A later segment (G == 1 then: the launcher splits no GQA reverse pass) starts from the
-  // decayed sum of the earlier segments' own sums.
-  const bool seg0 = !(causal && l0 > 0 && !state_only);
+  // decayed sum of the own sums of the slots before it.
+  const bool seg0 = STATE || !(causal && l0 > 0);
   if (!seg0) {
-    const float f = (has_decay) ? dpow(log2f(decay[ho]), kC * seg_len) : 1.f;
+    const float f = (has_decay) ? dpow(log2f(decay[ho]), kC * sub_len) : 1.f;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[m][n][e] = 0.f;
-    for (int p = 0; p < (int)blockIdx.z; ++p) {
-      const float* u = u_slot(ho, p);
+#pragma unroll 2
+    for (int q = 0; q < l0 / sub_len; ++q) {  // unrolled so that one slot's loads overlap the last one's FMAs
+      const float* u = u_slot(ho, q);
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -203,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
     issue(s + STAGES - 1);
     cp_async_wait<STAGES - 1>();
     __syncthreads();
-    const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, state_only);
-    const uint32_t xs = smem_u32(ring + (s % STAGES) * TILE), ys = xs + 2 * kC * XP, zs = ys + 2 * kC * XP;
+    const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, STATE);
+    const uint32_t xs = smem_u32(ring + (s % STAGES) * TILE), ys = xs + 2 * XT, zs = ys + 2 * kC * XP;
     const int hq = rev ? ho * group + st.g : ho;
     const bool dec = causal && has_decay;
     const float lg = dec ? log2f(decay[hq]) : 0.f;
@@ -224,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     uint32_t P[4][4];  // the weighted scores as A fragments of P Z (k = chunk rows, 16 per step)
 
-    if (st.out) {
+    if (!STATE && st.out) {
       float sc[8][4];
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -301,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
         uint32_t zf[NT / 2][4];
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) ldmatrix_x4_trans(zf[np], zs + off_t + 2 * (16 * kk * ZP + np * 16));
-        if (st.intra) {
+        if (!STATE && st.intra) {
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             mma_16816<T>(acc[2 * np], P[kk], zf[np][0], zf[np][1]);
@@ -337,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
       }
     }
 
-    if (st.out) {
+    if (!STATE && st.out) {
       // Output rows of this warp; under GQA (reverse) the first heads park float partial sums.
       T* const Ob = O + b * osb + ho * osh;
 #pragma unroll
@@ -373,10 +396,10 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
       }
     }
     __syncthreads();  // every read of this stage's tiles and of Ss is done
-    if (st.upd && !state_only) store_state();
+    if (!STATE && st.upd) store_state();
   }
   cp_async_wait<0>();
-  if (state_only) {
+  if (STATE) {
     float* u = u_slot(ho, blockIdx.z);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -385,4 +408,16 @@ __global__ void __launch_bounds__(kThreads) linear_fused_walk(
 #pragma unroll
         for (int e = 0; e < 4; ++e) u[((m * NT + n) * 4 + e) * kThreads] = S[m][n][e];
   }
+}
+
+template <typename T, int DK, int DV, int STAGES>
+__global__ void __launch_bounds__(kThreads) linear_fused_walk(LINEAR_FUSED_PARAMS) {
+  fused_walk<T, DK, DV, STAGES, false>(LINEAR_FUSED_ARGS);
+}
+
+// The state-only kernel holds no scores, outputs or X tiles: it fits 168 registers and about half
+// the shared memory, so three of its blocks share an SM where two walk blocks do.
+template <typename T, int DK, int DV, int STAGES>
+__global__ void __launch_bounds__(kThreads, 3) linear_fused_state(LINEAR_FUSED_PARAMS) {
+  fused_walk<T, DK, DV, STAGES, true>(LINEAR_FUSED_ARGS);
 }

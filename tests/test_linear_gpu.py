@@ -122,18 +122,22 @@ def test_fused_tiles(rng, monkeypatch, dtype_name, dk, dv, stages, causal):
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("segments,sub_len,slots", [(2, None, 3), (3, None, 4), (5, None, 4), (2, 2, 2), (3, 2, 2)])
 @pytest.mark.parametrize("hk,nq,decay", [(4, 300, True), (2, 257, True), (4, 320, False)], ids=["mha", "gqa", "nodecay"])
-def test_fused_segments(rng, monkeypatch, dtype_name, segments, hk, nq, decay):
-    # Causal walks split into segments (a state-only launch, then walks from the earlier segments'
-    # sums): 5 chunks of keys in runs of 3 + 2, 2 + 2 + 1 and 1 each; Nq != Nk; under GQA only the
-    # forward passes split (the reverse ones sum heads and stay whole).
+def test_fused_segments(rng, monkeypatch, dtype_name, segments, sub_len, slots, hk, nq, decay):
+    # Causal walks split into segments (the state kernel sums slots of chunks, then each segment
+    # walks from the decayed sum of the slots before it): 5 chunks of keys in runs of 3 + 2 (slots
+    # of 1 chunk, or 4 + 1 with slots of 2), 2 + 2 + 1 (slots of 1 or 2) and 1 each; Nq != Nk; under
+    # GQA only the forward passes split (the reverse ones sum heads and stay whole).
     monkeypatch.setattr(linear, "FUSED_SEGMENTS", segments)
+    monkeypatch.setattr(linear, "FUSED_SUB_LEN", sub_len)
     seen = []
     real = linear._launch
-    monkeypatch.setattr(linear, "_launch", lambda plan, args: (seen.append(plan.grid), real(plan, args)))
+    monkeypatch.setattr(linear, "_launch", lambda plan, args: (seen.append((plan.name, plan.grid)), real(plan, args)))
     check(rng, dtype_name, (2,), 4, hk, nq, 300, 64, True, decay=decay, path="chunked", impl="tc")
-    assert any(grid[2] == segments for grid in seen) and any(grid[2] == segments - 1 for grid in seen), seen
+    walks = [grid[2] for name, grid in seen if name.startswith("linear_fused_walk")]
+    states = [grid[2] for name, grid in seen if name.startswith("linear_fused_state")]
+    assert segments in walks and states and set(states) == {slots}, seen
 
 
 # ---------------------------------------------------------------------------- masked (tiled)

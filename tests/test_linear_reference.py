@@ -353,17 +353,28 @@ def test_fused_segments_plan():
     long = geom(batch=1, hq=16, hk=16, nq=32768, nk=32768, d=64, ctype="__nv_bfloat16", tc=True)
     fp = plans.fused_plan(long, rev=False, limits=H100)  # 16 blocks: 16 segments of 32 chunks
     assert (fp.dv, fp.segments, fp.seg_len) == (64, 16, 32) and fp.launch.grid == (16, 1, 16)
-    assert fp.state is not None and fp.state.grid == (16, 1, 15) and fp.u_shape == (1, 16, 16, 1, 64 * 64)
-    assert fp.state.name == fp.launch.name and fp.launch.shared_bytes == fp.state.shared_bytes
+    # 15 segments x 16 heads = 240 state blocks: one slot per segment already fills 3 x 132
+    assert fp.state is not None and fp.state.grid == (16, 1, 15) and fp.u_shape == (1, 16, 15, 1, 64 * 64)
+    assert (fp.sub_len, fp.slots) == (32, 15)
+    assert fp.state.name == "linear_fused_state<__nv_bfloat16, 64, 64, 2>"
+    assert fp.state.shared_bytes == plans.fused_state_bytes(64, 64, 2) == 2 * 2 * (64 * 72 + 64 * 72)
     full = geom(batch=4, hq=16, hk=16, nq=8192, nk=8192, d=128, ctype="__nv_bfloat16", tc=True)
-    assert plans.fused_plan(full, rev=False, limits=H100).segments == 2  # 128 blocks -> 256 (2 per SM)
+    fp = plans.fused_plan(full, rev=False, limits=H100)  # 128 blocks -> 256 (2 per SM)
+    assert (fp.segments, fp.seg_len) == (2, 66) and fp.launch.grid == (64, 2, 2)
+    # the first segment's state in 3 slots of 22 chunks: 3 x 128 state blocks, one wave of 3 per SM
+    assert (fp.sub_len, fp.slots) == (22, 3) and fp.state.grid == (64, 2, 3)
     assert plans.fused_plan(full, rev=False, limits=H100, dv=32).segments == 1  # 256 blocks already
     gqa = geom(tc=True)  # 3 chunks: forced segments clamp to the chunks, reverse GQA never splits
     assert plans.fused_plan(gqa, rev=False, limits=H100, segments=5).segments == 3
     assert plans.fused_plan(gqa, rev=True, limits=H100, segments=5).segments == 1
     assert plans.fused_plan(geom(tc=True, causal=False), rev=False, limits=H100, segments=4).segments == 1
     fp = plans.fused_plan(geom(tc=True, nk=300), rev=False, limits=H100, segments=3)  # 5 chunks: 2 + 2 + 1
-    assert (fp.segments, fp.seg_len) == (3, 2)
+    assert (fp.segments, fp.seg_len, fp.sub_len, fp.slots) == (3, 2, 1, 4)  # few blocks: 1-chunk slots
+    fp = plans.fused_plan(geom(tc=True, nk=300), rev=False, limits=H100, segments=2)  # 3 + 2, slots of 1
+    assert (fp.segments, fp.seg_len, fp.sub_len, fp.slots) == (2, 3, 1, 3) and fp.state.grid == (2 * 4, 1, 3)
+    seg = plans.fused_plan(geom(batch=4, hq=16, hk=16, nq=4096, nk=4096, tc=True), rev=False, limits=H100)
+    # 64 chunks, 64 blocks -> 4 segments of 16; 3 x 132 // (64 x 3) = 2 slots of 8 per segment
+    assert (seg.segments, seg.seg_len, seg.sub_len, seg.slots) == (4, 16, 8, 6)
 
 
 def test_geometry_checks():
@@ -379,11 +390,13 @@ def test_instantiation_list():
 
     inst = linear.instantiations()
     # scan; float: FFMA, 2 DV x (state, out, masked x 2); 16-bit types: the same FFMA set, TF32 masked
-    # (2 DV x 2) and the fused walk (3 DK = 64 tiles x 3 ring depths, 4 wider tiles x 2)
-    assert len(inst) == len(set(inst)) == 1 + 8 + 2 * (8 + 4 + 17)
+    # (2 DV x 2), the fused walk (3 DK = 64 tiles x 3 ring depths, 4 wider tiles x 2) and its
+    # state-only kernel (7 tiles x 2 ring depths)
+    assert len(inst) == len(set(inst)) == 1 + 8 + 2 * (8 + 4 + 17 + 14)
     assert ("linear_masked.cu", "linear_masked<float, 64, false, true>") in inst
     assert ("linear_masked.cu", "linear_masked<__half, 128, true, false>") in inst
     assert ("linear_fused.cu", "linear_fused_walk<__nv_bfloat16, 128, 64, 2>") in inst
+    assert ("linear_fused.cu", "linear_fused_state<__half, 64, 64, 2>") in inst
     assert ("linear_chunked.cu", "linear_chunk_out<__nv_bfloat16, 128, true>") not in inst
     for _, name in inst:
         assert "<float" not in name or not ("fused" in name or ("true>" in name and "masked" not in name))
@@ -430,4 +443,4 @@ def test_every_linear_kernel_compiles_without_spills(compiled):
         elif res.spills or res.stack_frame > 0:
             bad.append(res.line())
     assert not bad, "\n".join(bad)
-    assert len(compiled) == 2 * 67
+    assert len(compiled) == 2 * 95

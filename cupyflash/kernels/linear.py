@@ -24,6 +24,7 @@ PATHS = ("auto", "chunked", "masked")
 FUSED_DV: int | None = None
 FUSED_STAGES: int | None = None
 FUSED_SEGMENTS: int | None = None
+FUSED_SUB_LEN: int | None = None  # chunks per state slot of a split walk
 
 
 def instantiations() -> list[tuple[str, str]]:
@@ -136,7 +137,8 @@ def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale:
     from .._layout import rows_aligned
     from ..plans import DeviceLimits
 
-    fp = plans.fused_plan(g, rev, DeviceLimits.current(), FUSED_DV, FUSED_STAGES, FUSED_SEGMENTS)
+    fp = plans.fused_plan(g, rev, DeviceLimits.current(), FUSED_DV, FUSED_STAGES, FUSED_SEGMENTS,
+                            FUSED_SUB_LEN)
     hout = g.hk if rev else g.hq
     nx, nyz = (g.nk, g.nq) if rev else (g.nq, g.nk)
     scratch = aux.dummy
@@ -145,14 +147,14 @@ def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale:
     vec = rows_aligned(x4, y4, z4, o4)
     u = aux.dummy if fp.state is None else cupy.empty(fp.u_shape, dtype=np.float32)
 
-    def args(heads: int, group: int, state_only: bool) -> tuple:
+    def args(heads: int, group: int) -> tuple:
         return (*_tensor(x4), *_tensor(y4), *_tensor(z4), *_tensor(o4), scratch, u, aux.decay, aux.has_decay,
                 _i32(heads), _i32(group), _i32(nx), _i32(nyz), _i32(g.d), _i32(g.off), _i32(g.causal), _i32(rev),
-                _i32(vec), _i32(fp.segments), _i32(fp.seg_len), _i32(state_only), np.float32(scale))  # fmt: skip
+                _i32(vec), _i32(fp.slots), _i32(fp.seg_len), _i32(fp.sub_len), np.float32(scale))  # fmt: skip
 
-    if fp.state is not None:  # each segment's own state sum, one block per (query head, segment)
-        _launch(fp.state, args(g.hq, 1 if rev else g.group, True))  # X and O go unread there
-    _launch(fp.launch, args(hout, g.group, False))
+    if fp.state is not None:  # the slots' own state sums, one block per (query head, slot)
+        _launch(fp.state, args(g.hq, 1 if rev else g.group))  # X and O go unread there
+    _launch(fp.launch, args(hout, g.group))
 
 
 # ---------------------------------------------------------------------------- masked

@@ -176,17 +176,31 @@ def fused_shared_bytes(dk: int, dv: int, stages: int) -> int:
     return 2 * (stages * (2 * CHUNK * (dk + 8) + CHUNK * (dv + 8)) + dk * (dv + 8))
 
 
+#: ring depths of the state-only kernel (linear_fused_state)
+STATE_STAGES = (1, 2)
+#: blocks of the state-only kernel per SM (its __launch_bounds__ keeps it within 168 registers)
+STATE_BLOCKS_PER_SM = 3
+
+
+def fused_state_bytes(dk: int, dv: int, stages: int) -> int:
+    """The state-only kernel's ring: STAGES x (a Y tile [64][DK + 8] and a Z tile [64][DV + 8]), 16-bit."""
+    return 2 * stages * (CHUNK * (dk + 8) + CHUNK * (dv + 8))
+
+
 #: chunks per segment at least, when a causal walk is split into segments
 MIN_SEGMENT_CHUNKS = 4
+#: U slots a segment's walk sums at most before it starts (bounds the state kernel's split)
+MAX_SLOTS_PER_WALK = 32
 
 
 @dataclass(frozen=True)
 class FusedPlan:
     """One pass of linear_fused_walk: o / dq (rev = False) or dk / dv (rev = True).
 
-    With ``segments`` > 1 the causal walk is split into runs of ``seg_len`` chunks: ``state`` (the
-    same kernel, state_only) first writes each run's own state sum into a float32 buffer of
-    ``u_shape``, then ``launch`` walks every run from the sum of the earlier ones."""
+    With ``segments`` > 1 the causal walk is split into runs of ``seg_len`` chunks: ``state``
+    (linear_fused_state) first writes the own state sums of the ``u_shape[2]`` slots of ``sub_len``
+    chunks before the last run into a float32 buffer of ``u_shape``, then ``launch`` walks every run
+    from the decayed sum of the slots before it."""
 
     rev: bool
     dk: int
@@ -197,6 +211,11 @@ class FusedPlan:
     seg_len: int = 0
     state: LaunchPlan | None = None
     u_shape: tuple[int, ...] = (1,)
+    sub_len: int = 1
+
+    @property
+    def slots(self) -> int:
+        return self.u_shape[2] if self.state is not None else 1
 
 
 def fused_plan(
@@ -206,6 +225,7 @@ def fused_plan(
     dv: int | None = None,
     stages: int | None = None,
     segments: int | None = None,
+    sub_len: int | None = None,
 ) -> FusedPlan:
     """DV = 64 (DK = 256: 32, for registers): measured faster than 32 or 16 at D = 64 on an H200
     even with fewer blocks, as narrower blocks recompute the score tile per column block.
@@ -213,7 +233,9 @@ def fused_plan(
     SM (255 registers allow two), else the deepest that fits one.
     A causal walk with fewer blocks than SMs is split into segments, up to one wave of two blocks
     per SM (at least MIN_SEGMENT_CHUNKS chunks each), except the GQA reverse passes (their blocks
-    sum heads)."""
+    sum heads). The state kernel splits each segment but the last into k slots, as many as one wave
+    of STATE_BLOCKS_PER_SM blocks per SM holds, with at most MAX_SLOTS_PER_WALK slots before a walk
+    (``sub_len`` forces the chunks per slot)."""
     if g.ctype == "float":
         raise ValueError("the fused walk runs 16-bit tensor-core tiles only")
     dk = fused_dk(g.d)
@@ -248,11 +270,22 @@ def fused_plan(
     segments = cdiv(nchunks, seg_len)  # no empty segment
     name = f"linear_fused_walk<{g.ctype}, {dk}, {dv}, {stages}>"
     block = (FUSED_THREADS, 1, 1)
-    walk = LaunchPlan(FUSED_SOURCE, name, (g.batch * hout, ncol, segments), block, nbytes)
     if segments == 1:
-        return FusedPlan(rev, dk, dv, stages, walk, 1, nchunks)
-    state = LaunchPlan(FUSED_SOURCE, name, (g.batch * g.hq, ncol, segments - 1), block, nbytes)
-    return FusedPlan(rev, dk, dv, stages, walk, segments, seg_len, state, (g.batch, g.hq, segments, ncol, dk * dv))
+        walk = LaunchPlan(FUSED_SOURCE, name, (g.batch * hout, ncol, 1), block, nbytes)
+        return FusedPlan(rev, dk, dv, stages, walk, 1, nchunks, sub_len=nchunks)
+    heads = g.batch * g.hq * ncol  # state blocks per slot
+    k = (STATE_BLOCKS_PER_SM * limits.sm_count) // (heads * (segments - 1))  # slots per segment
+    k = max(1, min(k, MAX_SLOTS_PER_WALK // (segments - 1), seg_len))
+    sub_len = cdiv(seg_len, k) if sub_len is None else max(1, min(sub_len, seg_len))
+    seg_len = sub_len * cdiv(seg_len, sub_len)  # whole slots per segment
+    segments = cdiv(nchunks, seg_len)
+    slots = (segments - 1) * (seg_len // sub_len)
+    walk = LaunchPlan(FUSED_SOURCE, name, (g.batch * hout, ncol, segments), block, nbytes)
+    fits = [s for s in STATE_STAGES if fused_state_bytes(dk, dv, s) <= limits.max_shared_per_block]
+    sst = max(fits or [1])
+    state = LaunchPlan(FUSED_SOURCE, f"linear_fused_state<{g.ctype}, {dk}, {dv}, {sst}>",
+                       (g.batch * g.hq, ncol, slots), block, fused_state_bytes(dk, dv, sst))  # fmt: skip
+    return FusedPlan(rev, dk, dv, stages, walk, segments, seg_len, state, (g.batch, g.hq, slots, ncol, dk * dv), sub_len)
 
 
 # ---------------------------------------------------------------------------- masked (tiled)
@@ -290,4 +323,6 @@ def instantiations(ctypes: tuple[str, ...]) -> list[tuple[str, str]]:
             for dk, dv in FUSED_SHAPES:
                 for st in fused_stage_counts(dk):
                     out.append((FUSED_SOURCE, f"linear_fused_walk<{t}, {dk}, {dv}, {st}>"))
+                for st in STATE_STAGES:
+                    out.append((FUSED_SOURCE, f"linear_fused_state<{t}, {dk}, {dv}, {st}>"))
     return out
