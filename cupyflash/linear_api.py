@@ -4,7 +4,10 @@
 
 W is the product of an optional ``mask`` (any real array broadcastable to (..., Hq, Nq, Nk)),
 the causal indicator ``j <= i + (Nk - Nq)`` when ``causal`` and ``decay[h] ** (i + Nk - Nq - j)``
-when a per-head ``decay`` (shape (Hq,), values in (0, 1], causal only) is given.
+when a per-head ``decay`` (shape (Hq,), values in (0, 1], causal only) is given. decay may be
+host data (a NumPy array, list or tuple) for either backend: its values are checked on the host, so
+a CuPy call with host rates never waits on the GPU; a CuPy decay (CuPy inputs only) costs one small
+device-to-host copy, which synchronises the stream, for that check.
 
 The array type picks the backend: CuPy arrays run the CUDA kernels (``kernels/linear.py``) on
 the current device and stream; NumPy arrays run the float64 reference and round once to the
@@ -47,13 +50,18 @@ def dmask_dtype(mask_dtype: np.dtype) -> np.dtype:
     return dt if (dt.kind == "f" or dt == _dtypes.BFLOAT16) else _dtypes.FLOAT32
 
 
-def _decay_values(decay: Any, kind: str) -> np.ndarray:
-    """Host copy of decay for the value check (a (Hq,) array: one tiny transfer)."""
-    if kind == "cupy":
-        import cupy
+def host_decay(decay: Any) -> Any:
+    """A list or tuple of rates as a NumPy array (host data); arrays pass through unchanged."""
+    return np.asarray(decay) if isinstance(decay, (list, tuple)) else decay
 
-        return cupy.asnumpy(decay).astype(np.float64)
-    return np.asarray(decay, dtype=np.float64)
+
+def _decay_values(decay: Any) -> np.ndarray:
+    """Host values of decay for the range check: a CuPy decay costs one tiny (synchronising) copy."""
+    if isinstance(decay, np.ndarray):
+        return decay.astype(np.float64)
+    import cupy
+
+    return cupy.asnumpy(decay).astype(np.float64)
 
 
 def check_linear(
@@ -71,7 +79,8 @@ def check_linear(
     arrays = {"q": q, "k": k, "v": v}
     if mask is not None:
         arrays["mask"] = mask
-    if decay is not None:
+    decay = host_decay(decay)
+    if decay is not None and not isinstance(decay, np.ndarray):  # host rates go with either backend
         arrays["decay"] = decay
     common_kind(**arrays)
     base = check_attention(q, k, v, causal=causal, scale=1.0 if scale is None else scale, allow_float64=allow_float64)
@@ -99,7 +108,7 @@ def check_linear(
             raise TypeError(f"decay must have a float or integer dtype; got {dt}")
         if tuple(decay.shape) != (base.hq,):
             raise ValueError(f"decay must have shape (Hq,) = ({base.hq},) for q {q.shape}; got {tuple(decay.shape)}")
-        vals = _decay_values(decay, base.xp)
+        vals = _decay_values(decay)
         if not (np.all(np.isfinite(vals)) and np.all(vals > 0) and np.all(vals <= 1)):
             raise ValueError(f"decay values must lie in (0, 1]; got min {vals.min()}, max {vals.max()}")
     return LinearProblem(base, mask_shape, mask_dt, decay is not None)
@@ -134,6 +143,7 @@ def linear_attention_forward(
     Causal problems without a mask run the chunked O(N D^2) kernels (a running D x D state);
     a mask runs the tiled O(N^2 D) kernel that streams mask tiles through its strides.
     """
+    decay = host_decay(decay)
     p = check_linear(q, k, v, causal=causal, mask=mask, decay=decay, scale=scale)
     if p.base.xp == "numpy":
         from . import linear_reference
@@ -169,6 +179,7 @@ def linear_attention_backward(
     shape (summed over the dims it broadcasts along) and dtype (float32 for a bool or integer
     mask). ``decay`` is treated as a constant.
     """
+    decay = host_decay(decay)
     p = check_linear_backward(do, q, k, v, causal=causal, mask=mask, decay=decay, scale=scale, mask_grad=mask_grad)
     if p.base.xp == "numpy":
         from . import linear_reference

@@ -140,6 +140,24 @@ def test_fused_segments(rng, monkeypatch, dtype_name, segments, sub_len, slots, 
     assert segments in walks and states and set(states) == {slots}, seen
 
 
+def test_host_decay(rng):
+    # Host rates (NumPy array or list) with CuPy inputs: the same values as a CuPy decay, so the
+    # same bits out; a CuPy decay with NumPy inputs is a mixed-kind error.
+    q, k, v, do = (cupy.asarray(x) for x in inputs(rng, (2,), 4, 2, 300, 300, 64, DTYPES["bfloat16"]))
+    lam = rng.uniform(0.9, 1.0, 4).astype(np.float32)
+    want = api.linear_attention(q, k, v, causal=True, decay=cupy.asarray(lam))
+    want_g = api.linear_attention_backward(do, q, k, v, causal=True, decay=cupy.asarray(lam))
+    def same(a, b):  # bit for bit
+        return bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+
+    for host in (lam, lam.tolist()):
+        assert same(api.linear_attention(q, k, v, causal=True, decay=host), want)
+        got = api.linear_attention_backward(do, q, k, v, causal=True, decay=host)
+        assert all(same(g, w) for g, w in zip(got, want_g))
+    with pytest.raises(TypeError, match="all be NumPy or all be CuPy"):
+        api.linear_attention(q.get(), k.get(), v.get(), causal=True, decay=cupy.asarray(lam))
+
+
 # ---------------------------------------------------------------------------- masked (tiled)
 
 MASKED = [

@@ -185,6 +185,23 @@ def test_forward_argument_errors(rng, kw, exc, words):
         assert words in str(e.value)
 
 
+def test_decay_as_host_sequence(rng):
+    # A list or tuple of rates is host data, like a NumPy array; anything else is refused.
+    q, k, v = _qkv(rng)
+    lam = [0.9, 0.8, 0.95, 0.7]
+    want = api.linear_attention(q, k, v, causal=True, decay=np.array(lam))
+    for d in (lam, tuple(lam)):
+        np.testing.assert_array_equal(api.linear_attention(q, k, v, causal=True, decay=d), want)
+        do = rng.standard_normal(q.shape).astype(q.dtype)
+        got = api.linear_attention_backward(do, q, k, v, causal=True, decay=d)
+        for g, w in zip(got, api.linear_attention_backward(do, q, k, v, causal=True, decay=np.array(lam))):
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(TypeError, match="decay must be a numpy.ndarray or cupy.ndarray"):
+        api.linear_attention(q, k, v, causal=True, decay=0.9)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        api.linear_attention(q, k, v, causal=True, decay=[0.9, 0.8, 1.5, 0.7])
+
+
 def test_shape_and_dtype_errors(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="head dim of k"):

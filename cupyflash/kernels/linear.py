@@ -76,7 +76,12 @@ class _Aux:
 
         self.dummy = cupy.zeros(1, dtype=np.float32)
         self.has_decay = _i32(decay is not None)
-        self.decay = cupy.ascontiguousarray(decay, dtype=np.float32) if decay is not None else self.dummy
+        if decay is None:
+            self.decay = self.dummy
+        elif isinstance(decay, np.ndarray):  # host rates: one small upload, no wait on the stream
+            self.decay = cupy.asarray(np.ascontiguousarray(decay, dtype=np.float32))
+        else:
+            self.decay = cupy.ascontiguousarray(decay, dtype=np.float32)
         self.has_mask = _i32(mask is not None)
         # A broadcast view of the mask: dims it broadcasts along get stride 0.
         self.mask = (
