@@ -30,6 +30,8 @@ using namespace cupyflash::mma;
 
 constexpr int kThreads = 128;
 constexpr int kC = 64;  // chunk length
+constexpr int kPowers = 68;  // floats of the decay table lambda^0 .. lambda^C, padded to 16 bytes
+static_assert(kPowers > kC && kPowers % 4 == 0, "plans/linear.py POWER_BYTES = 4 * kPowers");
 
 // lambda^e from lg = log2(lambda); e == 0 is exactly 1 even when lambda^1 underflows.
 __device__ __forceinline__ float dpow(float lg, int e) { return e == 0 ? 1.f : exp2f(lg * float(e)); }
@@ -112,7 +114,8 @@ using namespace cupyflash::linear_fused;
 // Grid: x = b * Hout + ho, y = DV-column block, z = segment (walk) or U slot (state); 128 threads;
 // dynamic shared memory (fused_shared_bytes / fused_state_bytes in plans/linear.py)
 //   walk:  STAGES * (2 * 64 * (DK + 8) + 64 * (DV + 8)) + DK * (DV + 8) elements of T,
-//   state: STAGES * (64 * (DK + 8) + 64 * (DV + 8)).
+//   state: STAGES * (64 * (DK + 8) + 64 * (DV + 8)),
+// then kPowers floats (the decay table).
 // Segments (causal only) split a walk of n chunks into runs of seg_len chunks so that small batches
 // still fill the GPU. The state kernel first writes the own sums of runs of sub_len chunks (sub_len
 // divides seg_len; many short runs fill the GPU better than one per segment):
@@ -144,6 +147,8 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const ring = reinterpret_cast<T*>(smem_raw);
   T* const Ss = ring + STAGES * TILE;  // S_c as the B operand of X S, [DK][ZP] (walk only)
+  // lambda^e, e = 0 .. C, of the walk's current head: every decay factor of a step is one of them
+  float* const pw = reinterpret_cast<float*>(STATE ? Ss : Ss + DK * ZP);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
   const int b = blockIdx.x / Hout, ho = blockIdx.x % Hout;
@@ -224,13 +229,15 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
   for (int s = 0; s < total; ++s) {
     issue(s + STAGES - 1);
+    const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, STATE);
+    const bool dec = causal && has_decay;
+    if (dec && st.first) {  // a new head: its powers, visible after the sync (the last reads were before one)
+      const float lg = log2f(decay[rev ? ho * group + st.g : ho]);
+      for (int e = threadIdx.x; e <= kC; e += kThreads) pw[e] = dpow(lg, e);
+    }
     cp_async_wait<STAGES - 1>();
     __syncthreads();
-    const Step st = step_of(s, per_g, l0, nchunks, nyc, off, causal, rev, STATE);
     const uint32_t xs = smem_u32(ring + (s % STAGES) * TILE), ys = xs + 2 * XT, zs = ys + 2 * kC * XP;
-    const int hq = rev ? ho * group + st.g : ho;
-    const bool dec = causal && has_decay;
-    const float lg = dec ? log2f(decay[hq]) : 0.f;
     if (st.first) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -281,7 +288,7 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = 16 * warp + gq + 8 * h;
-          const float f = dpow(lg, rev ? kC - 1 - r : r);
+          const float f = pw[rev ? kC - 1 - r : r];
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             acc[n][2 * h] *= f;
@@ -296,7 +303,7 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
           for (int e = 0; e < 4; ++e) {
             const int r = 16 * warp + gq + 8 * (e / 2), c = 8 * n + 2 * tq + (e % 2);
             const int dist = rev ? c - r : r - c;
-            sc[n][e] = dist < 0 ? 0.f : (dec ? sc[n][e] * dpow(lg, dist) : sc[n][e]);
+            sc[n][e] = dist < 0 ? 0.f : (dec ? sc[n][e] * pw[dist] : sc[n][e]);
           }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -309,7 +316,7 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
     }
 
     if (st.upd && dec) {
-      const float f = dpow(lg, kC);
+      const float f = pw[kC];
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -341,8 +348,8 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const int s0 = 16 * kk + 2 * tq + 8 * h;
-                const float f0 = dpow(lg, rev ? s0 + 1 : kC - s0);
-                const float f1 = dpow(lg, rev ? s0 + 2 : kC - s0 - 1);
+                const float f0 = pw[rev ? s0 + 1 : kC - s0];
+                const float f1 = pw[rev ? s0 + 2 : kC - s0 - 1];
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                   const float2 v = unpack2<T>(a[2 * h + j]);

@@ -351,7 +351,7 @@ def test_fused_plan():
     fp = plans.fused_plan(big, rev=False, limits=RTX4090)
     assert (fp.dk, fp.dv, fp.stages) == (128, 64, 1)  # 99 KB: two stages of DK = 128, DV = 64 do not fit
     assert plans.fused_plan(big, rev=False, limits=H100).stages == 2
-    assert plans.fused_shared_bytes(128, 64, 2) == 2 * (2 * (2 * 64 * 136 + 64 * 72) + 128 * 72)
+    assert plans.fused_shared_bytes(128, 64, 2) == 2 * (2 * (2 * 64 * 136 + 64 * 72) + 128 * 72) + 4 * 68
     wide = geom(d=200, ctype="__nv_bfloat16", tc=True)
     assert plans.fused_plan(wide, rev=False, limits=A100).launch.name == "linear_fused_walk<__nv_bfloat16, 256, 32, 2>"
     assert plans.fused_plan(wide, rev=False, limits=RTX4090).stages == 1
@@ -374,7 +374,7 @@ def test_fused_segments_plan():
     assert fp.state is not None and fp.state.grid == (16, 1, 15) and fp.u_shape == (1, 16, 15, 1, 64 * 64)
     assert (fp.sub_len, fp.slots) == (32, 15)
     assert fp.state.name == "linear_fused_state<__nv_bfloat16, 64, 64, 2>"
-    assert fp.state.shared_bytes == plans.fused_state_bytes(64, 64, 2) == 2 * 2 * (64 * 72 + 64 * 72)
+    assert fp.state.shared_bytes == plans.fused_state_bytes(64, 64, 2) == 2 * 2 * (64 * 72 + 64 * 72) + 4 * 68
     full = geom(batch=4, hq=16, hk=16, nq=8192, nk=8192, d=128, ctype="__nv_bfloat16", tc=True)
     fp = plans.fused_plan(full, rev=False, limits=H100)  # 128 blocks -> 256 (2 per SM)
     assert (fp.segments, fp.seg_len) == (2, 66) and fp.launch.grid == (64, 2, 2)

@@ -171,9 +171,14 @@ def fused_dk(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
+#: bytes of the decay table lambda^0 .. lambda^C (float32, padded to 16 bytes; kPowers in the source)
+POWER_BYTES = 4 * 68
+
+
 def fused_shared_bytes(dk: int, dv: int, stages: int) -> int:
-    """STAGES x (X, Y chunk tiles [64][DK + 8] and a Z tile [64][DV + 8]) + the state [DK][DV + 8], 16-bit."""
-    return 2 * (stages * (2 * CHUNK * (dk + 8) + CHUNK * (dv + 8)) + dk * (dv + 8))
+    """STAGES x (X, Y chunk tiles [64][DK + 8] and a Z tile [64][DV + 8]) + the state [DK][DV + 8], 16-bit,
+    + the decay table."""
+    return 2 * (stages * (2 * CHUNK * (dk + 8) + CHUNK * (dv + 8)) + dk * (dv + 8)) + POWER_BYTES
 
 
 #: ring depths of the state-only kernel (linear_fused_state)
@@ -183,8 +188,9 @@ STATE_BLOCKS_PER_SM = 3
 
 
 def fused_state_bytes(dk: int, dv: int, stages: int) -> int:
-    """The state-only kernel's ring: STAGES x (a Y tile [64][DK + 8] and a Z tile [64][DV + 8]), 16-bit."""
-    return 2 * stages * (CHUNK * (dk + 8) + CHUNK * (dv + 8))
+    """The state-only kernel's ring: STAGES x (a Y tile [64][DK + 8] and a Z tile [64][DV + 8]), 16-bit,
+    + the decay table."""
+    return 2 * stages * (CHUNK * (dk + 8) + CHUNK * (dv + 8)) + POWER_BYTES
 
 
 #: chunks per segment at least, when a causal walk is split into segments
