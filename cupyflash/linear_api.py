@@ -5,9 +5,10 @@
 W is the product of an optional ``mask`` (any real array broadcastable to (..., Hq, Nq, Nk)),
 the causal indicator ``j <= i + (Nk - Nq)`` when ``causal`` and ``decay[h] ** (i + Nk - Nq - j)``
 when a per-head ``decay`` (shape (Hq,), values in (0, 1], causal only) is given. decay may be
-host data (a NumPy array, list or tuple) for either backend: its values are checked on the host, so
-a CuPy call with host rates never waits on the GPU; a CuPy decay (CuPy inputs only) costs one small
-device-to-host copy, which synchronises the stream, for that check.
+host data (a NumPy array, list or tuple) for either backend: its values are checked on the host and
+copied to the device once per value set, so a CuPy call with host rates never waits on the GPU; a
+CuPy decay (CuPy inputs only) costs one small device-to-host copy, which synchronises the stream,
+for that check.
 
 The array type picks the backend: CuPy arrays run the CUDA kernels (``kernels/linear.py``) on
 the current device and stream; NumPy arrays run the float64 reference and round once to the

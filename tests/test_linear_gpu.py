@@ -154,6 +154,11 @@ def test_host_decay(rng):
         assert same(api.linear_attention(q, k, v, causal=True, decay=host), want)
         got = api.linear_attention_backward(do, q, k, v, causal=True, decay=host)
         assert all(same(g, w) for g, w in zip(got, want_g))
+    # the device copy of host rates is cached by value: new values are new rates
+    lam2 = (lam * 0.97).astype(np.float32)
+    assert same(api.linear_attention(q, k, v, causal=True, decay=lam2),
+                api.linear_attention(q, k, v, causal=True, decay=cupy.asarray(lam2)))  # fmt: skip
+    assert not same(api.linear_attention(q, k, v, causal=True, decay=lam2), want)
     with pytest.raises(TypeError, match="all be NumPy or all be CuPy"):
         api.linear_attention(q.get(), k.get(), v.get(), causal=True, decay=cupy.asarray(lam))
 

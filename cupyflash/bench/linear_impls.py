@@ -43,8 +43,9 @@ def cupyflash_linear_impl(kernel: str) -> Impl:
         fwd, bwd = find_linear()
         if fwd is None:
             raise Unavailable("cupyflash has no linear_attention in this build")
-        # Constant rates, as a model holds them: host data, checked on the host and uploaded (64 B)
-        # in each timed call. A CuPy decay would add a synchronising copy for the range check.
+        # Constant rates, as a model holds them: host data, checked on the host in each timed call
+        # (the device copy is made once per value set). A CuPy decay would add a synchronising
+        # device-to-host copy for the range check.
         lam = decay_rates(shape.h) if opts.decay else None
         if pass_ == "fwd":
             return Prepared(lambda i: fwd(sets[i].q, sets[i].k, sets[i].v, causal=True, decay=lam), "cupy")

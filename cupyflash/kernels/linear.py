@@ -9,6 +9,7 @@ are merged into 4-D strided views (``_layout``) and the kernels take element str
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,27 @@ def _choose(p, mask: Any, path: str) -> str:
     return path
 
 
+@functools.lru_cache(maxsize=64)
+def _uploaded_decay(values: bytes, device: int) -> Any:
+    """A device copy of host rates (float32 bytes), made once per value set and device: a
+    pageable host-to-device copy synchronises the stream, which per call would stall the queue."""
+    import cupy
+
+    out = cupy.asarray(np.frombuffer(values, dtype=np.float32))
+    cupy.cuda.get_current_stream().synchronize()  # complete before any stream reads it
+    return out
+
+
+def _device_decay(decay: Any) -> Any:
+    """decay as a contiguous float32 CuPy array: host rates through the per-value-set cache."""
+    import cupy
+
+    if isinstance(decay, np.ndarray):  # host rates (never mutated on the device)
+        values = np.ascontiguousarray(decay, dtype=np.float32).tobytes()
+        return _uploaded_decay(values, cupy.cuda.Device().id)
+    return cupy.ascontiguousarray(decay, dtype=np.float32)
+
+
 class _Aux:
     """Device-side decay and mask for one call (float32, converted once, never broadcast)."""
 
@@ -76,12 +98,7 @@ class _Aux:
 
         self.dummy = cupy.zeros(1, dtype=np.float32)
         self.has_decay = _i32(decay is not None)
-        if decay is None:
-            self.decay = self.dummy
-        elif isinstance(decay, np.ndarray):  # host rates: one small upload, no wait on the stream
-            self.decay = cupy.asarray(np.ascontiguousarray(decay, dtype=np.float32))
-        else:
-            self.decay = cupy.ascontiguousarray(decay, dtype=np.float32)
+        self.decay = self.dummy if decay is None else _device_decay(decay)
         self.has_mask = _i32(mask is not None)
         # A broadcast view of the mask: dims it broadcasts along get stride 0.
         self.mask = (
