@@ -19,10 +19,10 @@ ARCHS = ("sm_80", "sm_90a")
 
 
 def instantiations() -> dict[str, list[str]]:
-    from cupyflash.kernels import linear, mma, portable
+    from cupyflash.kernels import linear, mma, portable, wgmma
 
     by_source: dict[str, list[str]] = {}
-    for family in (portable, mma, linear):
+    for family in (portable, mma, linear, wgmma):
         for source, name in family.instantiations():
             by_source.setdefault(source, []).append(name)
     return by_source
@@ -46,9 +46,11 @@ def ptx(source: str, names: list[str], arch: str) -> str:
 
 
 def dump(out: pathlib.Path) -> None:
+    from cupyflash.kernels.build import ARCH_SPECIFIC
+
     out.mkdir(parents=True, exist_ok=True)
     for source, names in instantiations().items():
-        for arch in ARCHS:
+        for arch in (ARCH_SPECIFIC[source],) if source in ARCH_SPECIFIC else ARCHS:
             (out / f"{source}.{arch}.ptx").write_text(ptx(source, names, arch))
             print(f"{source} {arch}: {len(names)} kernels", flush=True)
 

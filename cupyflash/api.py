@@ -9,7 +9,7 @@ import numpy as np
 from . import reference
 from .validation import AttentionProblem, check_attention, check_backward
 
-Kernel = str  # "auto", "mma" or "portable" (see kernels.dispatch.KERNELS)
+Kernel = str  # "auto", "wgmma", "mma" or "portable" (see kernels.dispatch.KERNELS)
 
 
 def _check_kernel(kernel: Kernel) -> None:

@@ -21,6 +21,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
     cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", _dtypes.FLOAT16), ("mma", _dtypes.BFLOAT16)]
+    if cupy.cuda.Device().compute_capability == "90":
+        cases += [("wgmma", _dtypes.FLOAT16), ("wgmma", _dtypes.BFLOAT16)]
     for kernel, dtype in cases:
         for (hq, hk, nq, nk, d, causal) in [(2, 1, 17, 33, 40, True), (2, 2, 33, 17, 64, True), (1, 1, 70, 70, 128, False),
                                                (2, 1, 70, 100, 128, True)]:

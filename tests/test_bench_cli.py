@@ -70,7 +70,7 @@ def test_several_kernel_families_side_by_side():
         ["--compare", "tensorflow"],
         ["--dtype", "fp64"],
         ["--d", "64,x"],
-        ["--kernels", "mma,wgmma"],
+        ["--kernels", "mma,tpu"],
         ["--passes", "fwd+bwd"],
         ["--n", "3"],  # filters leave nothing
         ["--runs", "0"],

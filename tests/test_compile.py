@@ -21,14 +21,19 @@ except Exception as e:  # pragma: no cover - depends on the machine
 pytestmark = pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
 
 #: Every family must build for these; the tensor-core family also for the consumer parts.
-ARCHS = {"portable": ("sm_80", "sm_90a"), "mma": ("sm_80", "sm_86", "sm_89", "sm_90a"), "linear": ("sm_80", "sm_90a")}
+ARCHS = {
+    "portable": ("sm_80", "sm_90a"),
+    "mma": ("sm_80", "sm_86", "sm_89", "sm_90a"),
+    "linear": ("sm_80", "sm_90a"),
+    "wgmma": ("sm_90a",),  # Hopper-only instructions
+}
 
 
 def all_jobs() -> list[tuple[str, str, str, str]]:
-    from cupyflash.kernels import linear, mma, portable
+    from cupyflash.kernels import linear, mma, portable, wgmma
 
     jobs = []
-    for fam in (portable, mma, linear):
+    for fam in (portable, mma, linear, wgmma):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
@@ -56,7 +61,7 @@ def compiled() -> dict:
 
 def test_every_family_has_instantiations():
     names = {job[0] for job in all_jobs()}
-    assert {"portable", "mma", "linear"} <= names
+    assert {"portable", "mma", "linear", "wgmma"} <= names
 
 
 @pytest.mark.parametrize("job", all_jobs(), ids=lambda j: f"{j[2]}@{j[3]}")

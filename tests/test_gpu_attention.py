@@ -25,9 +25,29 @@ HEAD_DIMS = [16, 32, 40, 64, 80, 96, 128, 160, 192, 256]
 SEQ_LENS = [1, 17, 128, 1000]
 
 
+HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
+_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
+
+
 def family_cases():
     """(kernel, dtype name) pairs each family supports."""
-    return [("portable", d) for d in DTYPES] + [("mma", "float16"), ("mma", "bfloat16")]
+    return (
+        [("portable", d) for d in DTYPES]
+        + [("mma", "float16"), ("mma", "bfloat16")]
+        + [pytest.param("wgmma", t, marks=_needs_hopper) for t in ("float16", "bfloat16")]
+    )
+
+
+def grid_cases():
+    """(kernel, dtype name, head dim) for the accuracy grid: wgmma takes 32 < D <= 128 only."""
+    out = []
+    for case in family_cases():
+        values = case.values if hasattr(case, "values") else case
+        marks = case.marks if hasattr(case, "marks") else ()
+        for d in HEAD_DIMS:
+            if values[0] != "wgmma" or 32 < d <= 128:
+                out.append(pytest.param(*values, d, marks=marks))
+    return out
 
 
 def _torch_errors(q, k, v, do, causal, scale, ref):
@@ -123,8 +143,7 @@ def check_case(kernel, dtype_name, b, hq, hk, nq, nk, d, causal, rng, scale=None
         assert np.all(o[masked] == 0) and np.all(dq[masked] == 0)
 
 
-@pytest.mark.parametrize("kernel,dtype_name", family_cases())
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("kernel,dtype_name,d", grid_cases())
 @pytest.mark.parametrize("n", SEQ_LENS)
 def test_accuracy_grid(kernel, dtype_name, d, n, rng):
     causal = (n + d) % 2 == 0  # half the grid causal, spread over N and D
@@ -232,7 +251,7 @@ def test_dispatch_auto_and_explicit(rng):
     lim = DeviceLimits.current()
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (1,), 2, 2, 64, 64, 64, DTYPES["float16"]))
     p = check_attention(q, k, v)
-    expected = "mma" if lim.compute_capability >= 80 else "portable"
+    expected = "wgmma" if lim.compute_capability == 90 else "mma" if lim.compute_capability >= 80 else "portable"
     assert dispatch.select(p, lim).NAME == expected
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     assert dispatch.select(check_attention(q32, k32, v32), lim).NAME == "portable"

@@ -59,12 +59,13 @@ def launches(monkeypatch):
 def _ptx_param_sizes(source: str, name: str) -> list[int]:
     from cupy.cuda import nvrtc
 
-    from cupyflash.kernels.build import compile_options, read_source
+    from cupyflash.kernels.build import ARCH_SPECIFIC, compile_options, read_source
 
+    arch = ARCH_SPECIFIC.get(source, "sm_80").replace("sm_", "compute_")
     prog = nvrtc.createProgram(read_source(source), source, [], [])
     try:
         nvrtc.addNameExpression(prog, name)
-        nvrtc.compileProgram(prog, [*compile_options(), "-arch=compute_80"])
+        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}"])
         lowered = nvrtc.getLoweredName(prog, name)
         ptx = nvrtc.getPTX(prog)
     finally:
@@ -122,6 +123,17 @@ def test_mma_launches_match_kernels(launches, causal):
     mma.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
     names = [name for _, name, _ in launches]
     assert any(n.startswith("mma_flash_fwd") for n in names) and any(n.startswith("mma_flash_bwd") for n in names)
+    _check(launches)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_launches_match_kernels(launches, causal):
+    from cupyflash.kernels import wgmma
+
+    q, k, v, p = _problem(np.dtype(np.float16), causal)
+    o, lse = _empty(q.shape, q.dtype), _empty(q.shape[:-1], np.float32)
+    wgmma.forward(q, k, v, o, lse, p)
+    assert [name for _, name, _ in launches] == ["wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>"]
     _check(launches)
 
 

@@ -161,7 +161,7 @@ def test_unknown_kernel_is_a_value_error(nothing_runs, entry):
     q, k, v = qkv()
     o, lse = np.zeros_like(q), np.zeros(q.shape[:-1], F32)
     args = (q, q, k, v, o, lse) if entry == "attention_backward" else (q, k, v)
-    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'mma', 'portable'\); got 'bogus'"):
+    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'wgmma', 'mma', 'portable'\); got 'bogus'"):
         getattr(cupyflash, entry)(*args, kernel="bogus")
 
 

@@ -36,7 +36,7 @@ TORCH_BACKENDS = {  # impl name -> torch.nn.attention.SDPBackend member
     "sdpa-cudnn": "CUDNN_ATTENTION",
     "sdpa-efficient": "EFFICIENT_ATTENTION",
 }
-KERNEL_CHOICES = ("auto", "mma", "portable")
+KERNEL_CHOICES = ("auto", "wgmma", "mma", "portable")
 LINEAR_COMPARISONS = ("naive-linear", "fla")  # fla: flash-linear-attention's Triton kernels (fla-core)
 
 

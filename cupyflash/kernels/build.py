@@ -59,6 +59,16 @@ def compile_options() -> tuple[str, ...]:
     return (STD, *(f"-I{d}" for d in incs), f"-DCUPYFLASH_SOURCE_HASH={_source_hash()}")
 
 
+#: Sources built for one architecture-specific target: wgmma exists only in sm_90a, which CuPy's own
+#: ``-arch=sm_90`` does not enable (NVRTC keeps the "a" target when both are given).
+ARCH_SPECIFIC: dict[str, str] = {"wgmma_forward.cu": "sm_90a"}
+
+
+def source_options(source: str) -> tuple[str, ...]:
+    arch = ARCH_SPECIFIC.get(source)
+    return (*compile_options(), f"-arch={arch}") if arch else compile_options()
+
+
 _functions: dict[tuple[int, str, str], object] = {}
 
 
@@ -74,7 +84,7 @@ def get_function(source: str, name: str):
     key = (dev, source, name)
     fn = _functions.get(key)
     if fn is None:
-        module = cupy.RawModule(code=read_source(source), options=compile_options(), name_expressions=[name])
+        module = cupy.RawModule(code=read_source(source), options=source_options(source), name_expressions=[name])
         fn = _functions[key] = module.get_function(name)
     return fn
 

@@ -10,12 +10,12 @@ from ..validation import AttentionProblem
 
 def families() -> dict[str, ModuleType]:
     """Kernel families, fastest first; "auto" takes the first that supports a problem."""
-    from . import mma, portable
+    from . import mma, portable, wgmma
 
-    return {mma.NAME: mma, portable.NAME: portable}
+    return {wgmma.NAME: wgmma, mma.NAME: mma, portable.NAME: portable}
 
 
-KERNELS = ("auto", "mma", "portable")
+KERNELS = ("auto", "wgmma", "mma", "portable")
 
 
 def select(p: AttentionProblem, limits: DeviceLimits, kernel: str = "auto") -> ModuleType:
@@ -30,5 +30,6 @@ def select(p: AttentionProblem, limits: DeviceLimits, kernel: str = "auto") -> M
         raise TypeError(
             f"kernel={kernel!r} does not support dtype {p.dtype}, D={p.d} on sm_{limits.compute_capability}"
             + (" (it needs float16/bfloat16 on sm_80+)" if kernel == "mma" and not _dtypes.is_half(p.dtype) else "")
+            + (" (it needs float16/bfloat16, 32 < D <= 128, on sm_90)" if kernel == "wgmma" else "")
         )
     return fam

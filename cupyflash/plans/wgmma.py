@@ -1,0 +1,100 @@
+"""Launch geometry of the Hopper forward ("wgmma" family, sm_90a): pure functions of shape and limits.
+
+Head dims are padded to 64 or 128 (the kernel's tiles are 64-column slabs of the 128-byte swizzle);
+heads of 32 or fewer stay with the mma family, where padding to 64 would double the work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import DeviceLimits, LaunchPlan, cdiv
+from .mma import _heads_on_x
+
+FORWARD_SOURCE = "wgmma_forward.cu"
+
+#: The compute capability whose "a" target the kernels are built for (wgmma runs on 9.0 only).
+COMPUTE_CAPABILITY = 90
+ARCH = "sm_90a"
+
+#: Head dims handled: (MIN_D, MAX_D], padded up to a multiple of 64.
+MIN_D, MAX_D = 32, 128
+
+_ELEM = 2
+_ALIGN_SLACK = 1024  # the kernel aligns its smem base to 1024 bytes (the swizzle period)
+
+
+def padded_head_dim(d: int) -> int | None:
+    return 64 * cdiv(d, 64) if MIN_D < d <= MAX_D else None
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tiles of wgmma_flash_fwd: Br = 64 * warpgroups query rows, Bc keys, a kStages K/V ring, and the
+    blocks per SM that the register budget must leave room for."""
+
+    d: int  # padded head dim, 64 or 128
+    bc: int
+    warpgroups: int = 2
+    stages: int = 3  # tile t+1 loads while P_{t-1} V_{t-1} still reads tile t-1
+    min_blocks: int = 1
+
+    @property
+    def br(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def shared_bytes(self) -> int:
+        return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + _ALIGN_SLACK
+
+    def name(self, ctype: str) -> str:
+        return (
+            f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}>"
+        )
+
+
+# Measured on an H200 (benchmarks/dev_wgmma.py, bf16, TFLOP/s at N = 1024 / 4096 / 16384 non-causal; see
+# benchmarks/NOTES.md). D = 64: Bc = 64 with two blocks per SM (127 registers, 81 KB) 296 / 351 / 359, ahead
+# of Bc = 128 at one block (244 / 292 / 310) and of three warpgroups (243 / 318 / 352). D = 128: Bc = 128
+# 299 / 389 / 430, ahead of Bc = 64 with two or three warpgroups (279 / 366 / 407, 276 / 379 / 415).
+FORWARD_CONFIGS: dict[int, ForwardConfig] = {
+    64: ForwardConfig(64, bc=64, stages=4, min_blocks=2),
+    128: ForwardConfig(128, bc=128, stages=3),
+}
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    config: ForwardConfig
+    main: LaunchPlan
+    heads_on_x: bool
+
+
+def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
+    pd = padded_head_dim(d)
+    if pd is None or limits.compute_capability != COMPUTE_CAPABILITY:
+        return None
+    cfg = FORWARD_CONFIGS[pd]
+    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+
+
+def plan_forward(
+    batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
+    config: ForwardConfig | None = None, causal: bool = False,
+) -> ForwardPlan:  # fmt: skip
+    """Grid as the mma forward's: (B*Hq, query tiles) or (query tiles, B*Hq), see plans.mma._heads_on_x."""
+    cfg = config or forward_config(d, limits)
+    if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
+        raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
+    heads, tiles = batch * hq, cdiv(nq, cfg.br)
+    on_x = _heads_on_x(causal, heads)
+    grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
+    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    return ForwardPlan(cfg, main, on_x)
+
+
+def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
+    return [(FORWARD_SOURCE, c.name(ct)) for ct in ctypes for c in FORWARD_CONFIGS.values()]

@@ -1,0 +1,92 @@
+"""Launch plans and dispatch of the Hopper forward ("wgmma" family), on the CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import _dtypes
+from cupyflash.kernels import dispatch
+from cupyflash.kernels import wgmma as family
+from cupyflash.plans import A100, H100, RTX4090, DeviceLimits, cdiv
+from cupyflash.plans import mma as mma_plans
+from cupyflash.plans import wgmma as plans
+from cupyflash.validation import AttentionProblem
+
+
+def problem(d=64, dtype=_dtypes.FLOAT16, hq=8, hk=2, nq=1000, nk=777, causal=False) -> AttentionProblem:
+    return AttentionProblem((2,), hq, hk, nq, nk, d, np.dtype(dtype), causal, 1.0 / np.sqrt(d), "cupy")
+
+
+@pytest.mark.parametrize("d, want", [(1, None), (32, None), (33, 64), (64, 64), (72, 128), (96, 128), (128, 128),
+                                     (136, None)])  # fmt: skip
+def test_padded_head_dim(d, want):
+    assert plans.padded_head_dim(d) == want
+
+
+def test_configs_fit_hopper_and_match_the_kernel_layout():
+    for pd, cfg in plans.FORWARD_CONFIGS.items():
+        assert cfg.d == pd and cfg.br == 64 * cfg.warpgroups and cfg.threads == 128 * cfg.warpgroups
+        assert cfg.bc in (64, 128) and cfg.stages >= 3  # the kernel's static_asserts
+        # Q_i, then a ring of K_j and V_j tiles, plus 1 KB to align the base to the swizzle period.
+        assert cfg.shared_bytes == (cfg.br + 2 * cfg.stages * cfg.bc) * pd * 2 + 1024
+        assert cfg.min_blocks * cfg.shared_bytes <= 228 * 1024  # an H100/H200 SM's shared memory
+        assert plans.forward_config(pd, H100) == cfg
+    assert plans.FORWARD_CONFIGS[64].name("__half") == "wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>"
+
+
+def test_only_compute_capability_9_0():
+    for limits in (A100, RTX4090):
+        assert plans.forward_config(64, limits) is None
+        assert not family.supports(problem(), limits)
+    blackwell = DeviceLimits(compute_capability=100, sm_count=148, max_shared_per_block=227 * 1024)
+    assert not family.supports(problem(), blackwell)  # sm_90a code does not run there
+
+
+def test_supports():
+    assert family.supports(problem(), H100)
+    assert family.supports(problem(d=128, dtype=_dtypes.BFLOAT16), H100)
+    assert family.supports(problem(d=40), H100)
+    assert not family.supports(problem(d=32), H100)  # stays with mma: padding to 64 would double the work
+    assert not family.supports(problem(d=160), H100)
+    assert not family.supports(problem(d=44), H100)  # rows of D % 8 != 0 elements
+    assert not family.supports(problem(dtype=_dtypes.FLOAT32), H100)
+    small = DeviceLimits(compute_capability=90, sm_count=132, max_shared_per_block=200 * 1024)
+    assert not family.supports(problem(d=128), small)  # D = 128 needs 225 KB
+
+
+def test_dispatch_prefers_wgmma_on_hopper_only():
+    assert dispatch.select(problem(), H100) is family
+    assert dispatch.select(problem(d=32), H100).NAME == "mma"
+    assert dispatch.select(problem(), A100).NAME == "mma"
+    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), H100).NAME == "portable"
+    with pytest.raises(TypeError, match="sm_90"):
+        dispatch.select(problem(), A100, "wgmma")
+
+
+def test_backward_is_the_mma_familys():
+    from cupyflash.kernels import mma
+
+    assert family.backward is mma.backward
+
+
+def test_plan_forward_geometry():
+    cfg = plans.FORWARD_CONFIGS[128]
+    plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100)
+    assert plan.config == cfg
+    assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and not plan.heads_on_x
+    assert plan.main.block == (cfg.threads, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.source == plans.FORWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16")
+    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, causal=True)
+    assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
+    assert causal.heads_on_x == mma_plans._heads_on_x(True, 36)
+    with pytest.raises(ValueError, match="no wgmma forward configuration"):
+        plans.plan_forward(1, 1, 10, 64, "__half", A100)
+
+
+def test_instantiations_cover_every_config_once():
+    inst = family.instantiations()
+    assert len(inst) == len(set(inst)) == 2 * len(plans.FORWARD_CONFIGS)
+    assert {src for src, _ in inst} == {plans.FORWARD_SOURCE}
+    from cupyflash.kernels.build import ARCH_SPECIFIC
+
+    assert ARCH_SPECIFIC[plans.FORWARD_SOURCE] == plans.ARCH
