@@ -23,8 +23,8 @@ from cupyflash.validation import check_attention
 VARIANTS = {
     64: [plans.ForwardConfig(64, bc=64, stages=4, min_blocks=2), plans.ForwardConfig(64, bc=128, warpgroups=3),
          plans.ForwardConfig(64, bc=64, stages=3, min_blocks=2)],
-    128: [plans.ForwardConfig(128, bc=128, warpgroups=2), plans.ForwardConfig(128, bc=64, warpgroups=2, stages=4),
-          plans.ForwardConfig(128, bc=64, warpgroups=3, stages=4)],
+    128: [plans.ForwardConfig(128, bc=128, warpgroups=2), plans.ForwardConfig(128, bc=64, warpgroups=1, min_blocks=2),
+          plans.ForwardConfig(128, bc=64, warpgroups=2, stages=4)],
 }  # fmt: skip
 
 

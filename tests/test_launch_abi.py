@@ -133,7 +133,13 @@ def test_wgmma_launches_match_kernels(launches, causal):
     q, k, v, p = _problem(np.dtype(np.float16), causal)
     o, lse = _empty(q.shape, q.dtype), _empty(q.shape[:-1], np.float32)
     wgmma.forward(q, k, v, o, lse, p)
-    assert [name for _, name, _ in launches] == ["wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>"]
+    wgmma.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
+    assert [name for _, name, _ in launches] == [
+        "wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>",
+        "mma_bwd_delta<__half>",
+        "wgmma_flash_bwd<__half, 64, 128, 2, 2>",
+        "mma_bwd_dq_convert<__half>",
+    ]
     _check(launches)
 
 

@@ -1,4 +1,4 @@
-"""Launch plans and dispatch of the Hopper forward ("wgmma" family), on the CPU."""
+"""Launch plans and dispatch of the Hopper kernels ("wgmma" family), on the CPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,10 +63,34 @@ def test_dispatch_prefers_wgmma_on_hopper_only():
         dispatch.select(problem(), A100, "wgmma")
 
 
-def test_backward_is_the_mma_familys():
-    from cupyflash.kernels import mma
+def test_backward_configs_fit_hopper_and_match_the_kernel_layout():
+    for pd, cfg in plans.BACKWARD_CONFIGS.items():
+        assert cfg.d == pd and cfg.bc == 64 * cfg.warpgroups == 128 and cfg.threads == 256
+        # dQ_i is split by rows (Br = Bc) or by 64-column slabs (Br = 64, D = 128): the kernel's static_asserts.
+        assert cfg.br == cfg.bc or (cfg.br == 64 and pd == 64 * cfg.warpgroups)
+        # K_j, V_j, the Q_i/dO_i ring, dS^T, lse and Delta per step, 1 KB to align the base.
+        tiles = 2 * cfg.bc * pd + 2 * cfg.stages * cfg.br * pd + cfg.bc * cfg.br
+        assert cfg.shared_bytes == 2 * tiles + 8 * cfg.stages * cfg.br + 1024 <= 227 * 1024
+        assert plans.backward_config(pd, H100) == cfg
+    assert plans.BACKWARD_CONFIGS[64].name("__half") == "wgmma_flash_bwd<__half, 64, 128, 2, 2>"
+    for limits in (A100, RTX4090):
+        assert plans.backward_config(64, limits) is None
+    assert plans.backward_config(32, H100) is None and plans.backward_config(136, H100) is None
 
-    assert family.backward is mma.backward
+
+def test_plan_backward_wraps_the_mma_helpers():
+    cfg = plans.BACKWARD_CONFIGS[128]
+    plan = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100)
+    assert plan.config == cfg and plan.rows == 3 * 12 * 1000
+    assert plan.main.grid == (cdiv(900, cfg.bc), 12, 1) and not plan.heads_on_x
+    assert plan.main.block == (256, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.source == plans.BACKWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16")
+    ref = mma_plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100)
+    assert (plan.delta, plan.convert) == (ref.delta, ref.convert)  # the mma family's helpers
+    causal = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100, causal=True)
+    assert causal.main.grid == (12, cdiv(900, cfg.bc), 1) and causal.heads_on_x
+    with pytest.raises(ValueError, match="no wgmma backward configuration"):
+        plans.plan_backward(1, 1, 1, 10, 10, 64, "__half", A100)
 
 
 def test_plan_forward_geometry():
@@ -85,8 +109,8 @@ def test_plan_forward_geometry():
 
 def test_instantiations_cover_every_config_once():
     inst = family.instantiations()
-    assert len(inst) == len(set(inst)) == 2 * len(plans.FORWARD_CONFIGS)
-    assert {src for src, _ in inst} == {plans.FORWARD_SOURCE}
+    assert len(inst) == len(set(inst)) == 2 * (len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS))
+    assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
-    assert ARCH_SPECIFIC[plans.FORWARD_SOURCE] == plans.ARCH
+    assert ARCH_SPECIFIC[plans.FORWARD_SOURCE] == ARCH_SPECIFIC[plans.BACKWARD_SOURCE] == plans.ARCH

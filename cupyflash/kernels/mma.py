@@ -94,8 +94,6 @@ def backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem,
     config: plans.AnyBackwardConfig | None = None,
 ) -> None:  # fmt: skip
-    import cupy
-
     limits = DeviceLimits.current()
     if not rows_aligned(do, q, k, v, o, dq, dk, dv) or (config or plans.backward_config(p.d, limits)) is None:
         from . import portable
@@ -104,6 +102,18 @@ def backward(
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     plan = plans.plan_backward(b, hq, hk, nq, nk, d, _ctype(p), limits, config, causal=p.causal)
+    launch_backward(plan, do, q, k, v, o, lse, dq, dk, dv, p)
+
+
+def launch_backward(
+    plan: plans.BackwardPlan, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+    p: AttentionProblem,
+) -> None:  # fmt: skip
+    """Delta, the main kernel, the dQ conversion; the wgmma family's main kernel takes the same arguments."""
+    import cupy
+
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
     delta = cupy.empty((b, hq, nq), dtype=np.float32)
     dq_accum = cupy.empty((b, hq, nq, d), dtype=np.float32)  # zeroed by the Delta kernel
     rows = np.int64(plan.rows)

@@ -1,7 +1,8 @@
-"""Hopper forward on warpgroup MMA (wgmma, sm_90a) for fp16/bf16; the backward is the mma family's.
+"""Hopper forward and backward on warpgroup MMA (wgmma, sm_90a) for fp16/bf16.
 
-Geometry comes from ``plans.wgmma``. The forward writes the same o and lse as the mma forward, so
-the FlashAttention-2 backward of ``kernels.mma`` runs on its output unchanged.
+Geometry comes from ``plans.wgmma``. The forward writes the same o and lse as the mma forward; the
+backward is the mma family's three launches with a wgmma main kernel, so either family's backward runs
+on either family's forward output. Unaligned rows go to the mma family (and on to the portable one).
 """
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from . import mma
 from .build import element_strides as _strides
 
 NAME = "wgmma"
-
-backward = mma.backward
 
 
 def supports(p: AttentionProblem, limits: DeviceLimits) -> bool:
@@ -49,3 +48,18 @@ def forward(
         np.float32(p.scale * mma.LOG2E), np.int32(p.causal), np.int32(plan.heads_on_x),
     )  # fmt: skip
     mma._launch(plan.main, args)
+
+
+def backward(
+    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem,
+    config: plans.BackwardConfig | None = None,
+) -> None:  # fmt: skip
+    """``config`` overrides the tile configuration (benchmarks and tests of other variants)."""
+    limits = DeviceLimits.current()
+    if not rows_aligned(do, q, k, v, o, dq, dk, dv) or (config or plans.backward_config(p.d, limits)) is None:
+        return mma.backward(do, q, k, v, o, lse, dq, dk, dv, p)
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    ctype = _dtypes.CTYPE[np.dtype(p.dtype)]
+    plan = plans.plan_backward(b, hq, hk, nq, nk, d, ctype, limits, config, causal=p.causal)
+    mma.launch_backward(plan, do, q, k, v, o, lse, dq, dk, dv, p)

@@ -6,6 +6,7 @@ each padded head dim has one forward and one backward tile configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from . import DeviceLimits, LaunchPlan, cdiv
 
@@ -198,7 +199,7 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    config: AnyBackwardConfig
+    config: Any  # AnyBackwardConfig, or the wgmma family's BackwardConfig
     delta: LaunchPlan  # Delta = rowsum(dO * O), zeroes the dQ accumulator
     main: LaunchPlan
     convert: LaunchPlan  # dQ accumulator -> dq
@@ -263,19 +264,28 @@ def plan_backward(
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
-    rows = batch * hq * nq
-    aux_grid = (cdiv(rows, _ROWS_PER_AUX_BLOCK), 1, 1)
-    aux_block = (32 * _ROWS_PER_AUX_BLOCK, 1, 1)
     heads, tiles = batch * hk, cdiv(nk, cfg.bc)
     on_x = _heads_on_x(causal, heads)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
+
+
+def backward_plan_around(
+    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str
+) -> BackwardPlan:
+    """A main backward kernel (this family's or the wgmma family's) with the Delta and dQ-conversion
+    launches around it, one warp per query row."""
+    rows = batch * hq * nq
+    aux_grid = (cdiv(rows, _ROWS_PER_AUX_BLOCK), 1, 1)
+    aux_block = (32 * _ROWS_PER_AUX_BLOCK, 1, 1)
     return BackwardPlan(
         config=cfg,
         delta=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
-        main=LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes),
+        main=main,
         convert=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
         rows=rows,
-        heads_on_x=on_x,
+        heads_on_x=heads_on_x,
     )
 
 

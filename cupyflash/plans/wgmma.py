@@ -1,4 +1,4 @@
-"""Launch geometry of the Hopper forward ("wgmma" family, sm_90a): pure functions of shape and limits.
+"""Launch geometry of the Hopper kernels ("wgmma" family, sm_90a): pure functions of shape and limits.
 
 Head dims are padded to 64 or 128 (the kernel's tiles are 64-column slabs of the 128-byte swizzle);
 heads of 32 or fewer stay with the mma family, where padding to 64 would double the work.
@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import DeviceLimits, LaunchPlan, cdiv
+from . import mma
 from .mma import _heads_on_x
 
 FORWARD_SOURCE = "wgmma_forward.cu"
+BACKWARD_SOURCE = "wgmma_backward.cu"
 
 #: The compute capability whose "a" target the kernels are built for (wgmma runs on 9.0 only).
 COMPUTE_CAPABILITY = 90
@@ -96,5 +98,67 @@ def plan_forward(
     return ForwardPlan(cfg, main, on_x)
 
 
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of wgmma_flash_bwd: Bc = 64 * warpgroups keys per block (warpgroup g owns keys 64g..), Br query
+    rows per step through a kStages-deep Q_i/dO_i ring. dQ_i is split between the two warpgroups by rows
+    when Br = Bc, else (Br = 64, D = 128) by 64-column slabs."""
+
+    d: int  # padded head dim, 64 or 128
+    br: int
+    warpgroups: int = 2
+    stages: int = 2
+
+    @property
+    def bc(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def shared_bytes(self) -> int:
+        tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
+        return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
+
+    def name(self, ctype: str) -> str:
+        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}>"
+
+
+BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
+    64: BackwardConfig(64, br=128),
+    128: BackwardConfig(128, br=64),
+}
+
+
+def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
+    pd = padded_head_dim(d)
+    if pd is None or limits.compute_capability != COMPUTE_CAPABILITY:
+        return None
+    cfg = BACKWARD_CONFIGS[pd]
+    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+
+
+def plan_backward(
+    batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
+    config: BackwardConfig | None = None, causal: bool = False,
+) -> mma.BackwardPlan:  # fmt: skip
+    """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel."""
+    cfg = config or backward_config(d, limits)
+    if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
+        raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
+    heads, tiles = batch * hk, cdiv(nk, cfg.bc)
+    on_x = _heads_on_x(causal, heads)
+    grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    return mma.backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
+
+
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
-    return [(FORWARD_SOURCE, c.name(ct)) for ct in ctypes for c in FORWARD_CONFIGS.values()]
+    """The forward and backward main kernels (the backward's helpers are the mma family's)."""
+    out: list[tuple[str, str]] = []
+    for ct in ctypes:
+        out += [(FORWARD_SOURCE, c.name(ct)) for c in FORWARD_CONFIGS.values()]
+        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_CONFIGS.values()]
+    return out

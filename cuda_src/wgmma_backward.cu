@@ -1,0 +1,315 @@
+// FlashAttention-2 backward on Hopper warpgroup MMA (sm_90a, fp16/bf16): the main kernel of the mma
+// family's three launches (mma_bwd_delta and mma_bwd_dq_convert from mma_backward.cu run around it).
+//
+// Block = one K_j/V_j tile of Bc = 64 kWG keys of one (batch, kv head), looping over the group's query
+// heads and their Q_i tiles of Br rows; warpgroup g owns keys [64g, 64g + 64) and, for them, dK_j and dV_j
+// in f32 registers. Per Q_i, all products are wgmma (key-major, so P^T and dS^T are A fragments):
+//   S^T  = K_g Q_i^T   (SS)        P^T  = exp2(S^T * scale*log2e - lse*log2e)
+//   dP^T = V_g dO_i^T  (SS)        dS^T = P^T * (dP^T - Delta)
+//   dV_g += P^T dO_i   (RS)        dK_g += dS^T Q_i   (RS)
+//   dQ_i += dS K_j     (SS: dS^T through shared memory, both operands MN-major), out by f32 red.add.
+// dQ_i is split between the warpgroups by query rows when Br = 128 (each 64 rows x D), by columns when
+// Br = 64 (each 64 rows x D/2, a 64-column slab of K_j). Every tile is 64-column slabs of TileLayout<64>
+// (the 128-byte swizzle of wgmma_primitives.cuh); D is the padded head dim, d the true one.
+#include "mma_primitives.cuh"
+#include "mma_softmax.cuh"
+#include "wgmma_primitives.cuh"
+
+using namespace cupyflash;
+using namespace cupyflash::mma;
+
+template <typename T, int D, int Br, int kWG, int kStages>
+__global__ void __launch_bounds__(kWG * 128, 1)
+    wgmma_flash_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
+                    int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
+                    long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
+                    long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
+                    long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
+                    float scale, float scale_log2, int causal, int heads_on_x) {
+  constexpr int kThreads = kWG * 128;
+  constexpr int Bc = 64 * kWG;
+  constexpr int kSlabs = D / 64;  // 64-column slabs of a Q/K/V/dO tile
+  constexpr int kNQ = Br / 8;     // n8 tiles of S^T (queries) per warp strip
+  constexpr bool kDQByRows = Br == 64 * kWG;  // else by columns: Br = 64, D = 64 kWG
+  static_assert(D == 64 || D == 128, "instantiated head dims");
+  static_assert(kWG == 2 && (Br == 64 || Br == 128), "instantiated tiles");
+  static_assert(kDQByRows || (Br == 64 && D == 64 * kWG), "dQ split: by rows (Br = Bc) or by 64-column slabs");
+  static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
+  constexpr int kKVBytes = Bc * D * 2;
+  constexpr int kQBytes = Br * D * 2;
+  constexpr int kSlabBytesKV = Bc * 128;
+  constexpr int kSlabBytesQ = Br * 128;
+
+  // wgmma's swizzle pattern repeats every 1024 bytes: the host asks for 1 KB extra to align the base.
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw_u = smem_u32(smem_raw);
+  const uint32_t sK_u = (raw_u + 1023u) & ~1023u;
+  const uint32_t sV_u = sK_u + kKVBytes;
+  const uint32_t sQ_u = sV_u + kKVBytes;           // [kStages] tiles
+  const uint32_t sdO_u = sQ_u + kStages * kQBytes;  // [kStages] tiles
+  const uint32_t sdS_u = sdO_u + kStages * kQBytes;  // dS^T: Bc keys x Br queries, Br / 64 slabs
+  const uint32_t sStat_u = sdS_u + Bc * Br * 2;     // [kStages][2][Br] f32: lse, Delta
+  auto at = [&](uint32_t u) { return smem_raw + (u - raw_u); };
+  T* const sK = reinterpret_cast<T*>(at(sK_u));
+  T* const sV = reinterpret_cast<T*>(at(sV_u));
+  T* const sQ = reinterpret_cast<T*>(at(sQ_u));
+  T* const sdO = reinterpret_cast<T*>(at(sdO_u));
+  float* const sStat = reinterpret_cast<float*>(at(sStat_u));
+
+  const int hk_count = hq / group;
+  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;  // grid order: see mma_bwd_keymajor.cuh
+  const int b = bhk / hk_count;
+  const int hkv = bhk % hk_count;
+  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
+  const int wg = threadIdx.x / 128;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int causal_offset = nk - nq;
+
+  // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
+  const int m_tiles = (nq + Br - 1) / Br;
+  int m_start = 0;
+  if (causal) {
+    const int first_query = j0 - causal_offset;
+    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
+  }
+  const int per_head = m_tiles - m_start;
+  const int total = group * per_head;
+
+  auto tile_of = [&](int it, int& hh, int& i0) {
+    hh = hkv * group + it / per_head;
+    i0 = (m_start + it % per_head) * Br;
+  };
+  // Q_i, dO_i, lse and Delta of iteration it into ring slot buf (one cp.async group, committed by the caller).
+  // Rows past Nq are zeros with lse = Delta = 0: they contribute nothing whatever P is.
+  auto load_step = [&](int it, int buf) {
+    int hh, i0;
+    tile_of(it, hh, i0);
+    const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
+    const T* gQ = q + bo * q_sb + hh * q_sh + i0 * q_sn;
+    const T* gdO = dout + bo * do_sb + hh * do_sh + i0 * do_sn;
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl) {
+      load_tile_async<T, 64, Br, kThreads>(sQ + (buf * kSlabs + sl) * Br * 64, gQ + 64 * sl, q_sn, nq - i0,
+                                           d - 64 * sl, tid);
+      load_tile_async<T, 64, Br, kThreads>(sdO + (buf * kSlabs + sl) * Br * 64, gdO + 64 * sl, do_sn, nq - i0,
+                                           d - 64 * sl, tid);
+    }
+    if (tid < 2 * Br) {
+      const int r = tid % Br;
+      const int i = min(i0 + r, nq - 1);
+      const int nbytes = i0 + r < nq ? 4 : 0;
+      const float* src = tid < Br ? lse + bo * lse_sb + hh * lse_sh + i * lse_sn
+                                  : delta + (static_cast<long long>(bo) * hq + hh) * nq + i;
+      cp_async_4(smem_u32(sStat + buf * 2 * Br + tid), src, nbytes);
+    }
+  };
+
+  float acc_dv[D / 8][4], acc_dk[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
+  }
+
+  if (total > 0) {
+    const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
+    const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl) {
+      load_tile_async<T, 64, Bc, kThreads>(sK + sl * Bc * 64, gK + 64 * sl, k_sn, nk - j0, d - 64 * sl, threadIdx.x);
+      load_tile_async<T, 64, Bc, kThreads>(sV + sl * Bc * 64, gV + 64 * sl, v_sn, nk - j0, d - 64 * sl, threadIdx.x);
+    }
+    load_step(0, 0);
+  }
+  cp_async_commit();  // group 0: K_j, V_j and step 0
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < total) load_step(s, s);
+    cp_async_commit();
+  }
+
+  const int key_w = j0 + wg * 64 + warp * 16;  // first key of this warp's strip
+  const uint32_t k_base = sK_u + wg * 64 * 128;  // this warpgroup's 64 keys inside each slab
+  const uint32_t v_base = sV_u + wg * 64 * 128;
+
+  for (int it = 0; it < total; ++it) {
+    const int buf = it % kStages;
+    int hh, i0;
+    tile_of(it, hh, i0);
+    cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
+    wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
+    __syncthreads();               // ...for every warpgroup, which are all done with step it-1 (and dS^T)
+    {
+      const int ahead = it + kStages - 1;  // into the slot step it-1 used
+      if (ahead < total) load_step(ahead, ahead % kStages);
+      cp_async_commit();
+    }
+    const uint32_t q_u = sQ_u + buf * kQBytes;
+    const uint32_t do_u = sdO_u + buf * kQBytes;
+
+    // S^T and dP^T issued back to back: K-major A (keys) and B (queries), one k16 step of D at a time.
+    float st[kNQ][4], dpt[kNQ][4];
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {  // zeroed although the first k step overwrites them: an undefined
+#pragma unroll                       // input between fence and wgmma makes ptxas serialise (see forward)
+      for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+    }
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t off = (ks / 4) * kSlabBytesKV + (ks % 4) * 32;
+      const uint32_t offq = (ks / 4) * kSlabBytesQ + (ks % 4) * 32;
+      wgmma::mma_ss<T, Br>(st, wgmma::desc_sw128(k_base + off), wgmma::desc_sw128(q_u + offq), ks > 0);
+    }
+    wgmma::commit();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t off = (ks / 4) * kSlabBytesKV + (ks % 4) * 32;
+      const uint32_t offq = (ks / 4) * kSlabBytesQ + (ks % 4) * 32;
+      wgmma::mma_ss<T, Br>(dpt, wgmma::desc_sw128(v_base + off), wgmma::desc_sw128(do_u + offq), ks > 0);
+    }
+    wgmma::commit();
+
+    // P^T, while dP^T is in flight.
+    wgmma::wait<1>();
+    wgmma::fence_operands(st);
+    const int quad2 = (lane & 3) * 2;  // this lane's query pair inside each n8 tile
+    const float* lse_b = sStat + buf * 2 * Br + quad2;
+    const float* delta_b = lse_b + Br;
+    const float c = positive_scale<kNQ>(st, scale_log2);
+    if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
+      mask_strip<kNQ, true>(st, key_w, i0, nk, causal, causal_offset);
+    }
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+      // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
+      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
+      const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                    ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+      st[n][0] = fast_exp2(fmaf(st[n][0], c, -l2.x));
+      st[n][1] = fast_exp2(fmaf(st[n][1], c, -l2.y));
+      st[n][2] = fast_exp2(fmaf(st[n][2], c, -l2.x));
+      st[n][3] = fast_exp2(fmaf(st[n][3], c, -l2.y));
+    }
+    // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows).
+    uint32_t pt[Br / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      pt[kk][0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
+      pt[kk][1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
+      pt[kk][2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      pt[kk][3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+    }
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      wgmma::mma_rs<T, D>(acc_dv, pt[kk], wgmma::desc_sw128(do_u + kk * 16 * 128, kSlabBytesQ));
+    }
+    wgmma::commit();
+
+    // dS^T = P^T (dP^T - Delta), packed: A of dK_g += dS^T Q_i, and to shared memory for dQ_i.
+    wgmma::wait<1>();  // dP^T has landed (dV may still run)
+    wgmma::fence_operands(dpt);
+    uint32_t dst[Br / 16][4];
+#pragma unroll
+    for (int n = 0; n < kNQ; ++n) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
+      dpt[n][0] = st[n][0] * (dpt[n][0] - dl.x);
+      dpt[n][1] = st[n][1] * (dpt[n][1] - dl.y);
+      dpt[n][2] = st[n][2] * (dpt[n][2] - dl.x);
+      dpt[n][3] = st[n][3] * (dpt[n][3] - dl.y);
+    }
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      dst[kk][0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
+      dst[kk][1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
+      dst[kk][2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      dst[kk][3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+    }
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      wgmma::mma_rs<T, D>(acc_dk, dst[kk], wgmma::desc_sw128(q_u + kk * 16 * 128, kSlabBytesQ));
+    }
+    wgmma::commit();
+    {
+      // dS^T row r (key), queries 16kk.. of slab kk / 4: the C-fragment pairs, 4-byte stores into the
+      // swizzled rows (the 8 rows of a store hit 8 different 16-byte bank groups).
+      const int r = wg * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+      for (int kk = 0; kk < Br / 16; ++kk) {
+        const uint32_t slab = sdS_u + (kk / 4) * Bc * 128;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = r + (e & 1) * 8;
+          const int chunk = (2 * kk + (e >> 1)) % 8;
+          const uint32_t addr = slab + row * 128 + ((chunk ^ (row & 7)) << 4) + (lane & 3) * 4;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(dst[kk][e]) : "memory");
+        }
+      }
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();  // dS^T complete for both warpgroups
+
+    // dQ_i (+)= dS K_j for this warpgroup's part: A = dS^T (queries contiguous), B = K_j (D contiguous).
+    float acc_dq[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
+    }
+    const uint32_t ds_a = sdS_u + (kDQByRows ? wg * Bc * 128 : 0);
+    const uint32_t k_b = sK_u + (kDQByRows ? 0 : wg * kSlabBytesKV);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) {
+      wgmma::mma_ss<T, 64, 1, 1>(acc_dq, wgmma::desc_sw128(ds_a + kk * 16 * 128),
+                                  wgmma::desc_sw128(k_b + kk * 16 * 128), kk > 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();  // dV, dK and dQ have landed: pt, dst and the accumulators are free
+    wgmma::fence_operands(acc_dq);
+    wgmma::fence_operands(acc_dk);
+    wgmma::fence_operands(acc_dv);
+    wgmma::fence_operands(pt);
+    wgmma::fence_operands(dst);
+    {
+      float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
+      const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
+      const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = row0 + hf * 8;
+        if (row < nq) {
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            const int col = col0 + n * 8;
+            if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int key = key_w + (lane >> 2) + hf * 8;
+    if (key < nk) {
+      T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
+      T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + (lane & 3) * 2;
+        if (col < d) {
+          store2<T>(dv_row + col, acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
+          store2<T>(dk_row + col, acc_dk[n][2 * hf] * scale, acc_dk[n][2 * hf + 1] * scale);
+        }
+      }
+    }
+  }
+}
