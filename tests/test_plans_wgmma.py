@@ -102,7 +102,9 @@ def test_plan_forward_geometry():
     assert plan.main.source == plans.FORWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16")
     causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, causal=True)
     assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
-    assert causal.heads_on_x == mma_plans._heads_on_x(True, 36)
+    assert causal.heads_on_x == plans._heads_first(True, 36, H100.sm_count)
+    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, causal=True)  # 256 heads: one head's tiles together
+    assert not many.heads_on_x and many.main.grid == (cdiv(1024, cfg.br), 256, 1)
     with pytest.raises(ValueError, match="no wgmma forward configuration"):
         plans.plan_forward(1, 1, 10, 64, "__half", A100)
 
@@ -114,3 +116,17 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
     assert ARCH_SPECIFIC[plans.FORWARD_SOURCE] == ARCH_SPECIFIC[plans.BACKWARD_SOURCE] == plans.ARCH
+
+
+def test_backward_grid_order_under_causal():
+    """Heads fastest only while at most half an SM count of kv heads is in flight (plans.wgmma._heads_first)."""
+    cfg = plans.BACKWARD_CONFIGS[64]
+    few = plans.plan_backward(2, 32, 32, 8192, 8192, 64, "__half", H100, causal=True)  # 64 kv heads
+    many = plans.plan_backward(4, 32, 32, 4096, 4096, 64, "__half", H100, causal=True)  # 128 kv heads
+    assert few.heads_on_x and few.main.grid == (64, cdiv(8192, cfg.bc), 1)
+    assert not many.heads_on_x and many.main.grid == (cdiv(4096, cfg.bc), 128, 1)
+    assert not plans.plan_backward(2, 32, 32, 8192, 8192, 64, "__half", H100).heads_on_x  # non-causal
+    gqa = plans.plan_backward(4, 32, 8, 4096, 4096, 64, "__half", H100, causal=True)  # 32 kv heads
+    assert gqa.heads_on_x
+    huge = plans.plan_backward(70000, 1, 1, 64, 64, 64, "__half", H100)  # B*Hk past gridDim.y
+    assert huge.heads_on_x and huge.main.grid[0] == 70000

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from . import DeviceLimits, LaunchPlan, cdiv
 from . import mma
-from .mma import _heads_on_x
 
 FORWARD_SOURCE = "wgmma_forward.cu"
 BACKWARD_SOURCE = "wgmma_backward.cu"
@@ -83,16 +82,26 @@ def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
 
 
+def _heads_first(causal: bool, heads: int, sm_count: int) -> bool:
+    """Grid order (both passes): under causal, heads fastest (every head's longest tiles first) only while at
+    most half an SM count of heads is in flight; with more, one head's tiles run together and share its K/V
+    (forward) or Q_i/dO_i and dQ lines (backward) in L2. Measured on an H100 (bf16, B*N = 16k): heads fastest
+    is 3-10% ahead at B*H <= 64 and 2-10% (forward) or 17-35% (backward) behind at B*H >= 128. The H200 would
+    rather keep heads fastest for the D=64 forward at B*H = 128 (11%), but the H100's D=128 forward there
+    falls below SDPA FLASH with it (benchmarks/NOTES.md, "Causal grid order")."""
+    return (causal and heads <= sm_count // 2) or heads > mma._MAX_GRID_Y
+
+
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
     config: ForwardConfig | None = None, causal: bool = False,
 ) -> ForwardPlan:  # fmt: skip
-    """Grid as the mma forward's: (B*Hq, query tiles) or (query tiles, B*Hq), see plans.mma._heads_on_x."""
+    """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = batch * hq, cdiv(nq, cfg.br)
-    on_x = _heads_on_x(causal, heads)
+    on_x = _heads_first(causal, heads, limits.sm_count)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
     return ForwardPlan(cfg, main, on_x)
@@ -149,7 +158,7 @@ def plan_backward(
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = batch * hk, cdiv(nk, cfg.bc)
-    on_x = _heads_on_x(causal, heads)
+    on_x = _heads_first(causal, heads, limits.sm_count)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
     return mma.backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
