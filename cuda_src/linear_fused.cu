@@ -305,13 +305,7 @@ __device__ __forceinline__ void fused_walk(LINEAR_FUSED_PARAMS) {
             const int dist = rev ? c - r : r - c;
             sc[n][e] = dist < 0 ? 0.f : (dec ? sc[n][e] * pw[dist] : sc[n][e]);
           }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          P[kk][0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
-          P[kk][1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
-          P[kk][2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          P[kk][3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
+        pack_a<T>(P, sc);
       }
     }
 

@@ -61,11 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const int causal_offset = nk - nq;
 
   const int m_tiles = (nq + Br - 1) / Br;
-  int m_start = 0;
-  if (causal) {
-    const int first_query = j0 - causal_offset;
-    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
-  }
+  const int m_start = first_query_tile(j0, Br, m_tiles, causal, causal_offset);
   const int per_head = m_tiles - m_start;
   const int total = group * per_head;
 
@@ -178,7 +174,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
 #pragma unroll
       for (int n = 0; n < kNS; ++n) {
-        // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
+        // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf. (Not
+        // probs_from_lse per strip: one lse load for all kMS strips, n outermost.)
         const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
         const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
                                       ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);

@@ -59,11 +59,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 
   // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
   const int m_tiles = (nq + Br - 1) / Br;
-  int m_start = 0;
-  if (causal) {
-    const int first_query = j0 - causal_offset;
-    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
-  }
+  const int m_start = first_query_tile(j0, Br, m_tiles, causal, causal_offset);
   const int per_head = m_tiles - m_start;
   const int total = group * per_head;
 
@@ -167,26 +163,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
       mask_strip<kNQ, true>(pt, key_w, i0, nk, causal, causal_offset);
     }
-#pragma unroll
-    for (int n = 0; n < kNQ; ++n) {
-      // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
-      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
-      const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
-                                    ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
-      pt[n][0] = fast_exp2(fmaf(pt[n][0], c, -l2.x));
-      pt[n][1] = fast_exp2(fmaf(pt[n][1], c, -l2.y));
-      pt[n][2] = fast_exp2(fmaf(pt[n][2], c, -l2.x));
-      pt[n][3] = fast_exp2(fmaf(pt[n][3], c, -l2.y));
-    }
+    probs_from_lse<kNQ>(pt, c, lse_b);
 
     // dV_j += P^T dO_i (this warp's d-slice).
 #pragma unroll
     for (int kq = 0; kq < Br / 16; ++kq) {
       uint32_t a[4];
-      a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
-      a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
-      a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
-      a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+      pack_a_step<T>(a, pt, kq);
       mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
     }
 
@@ -221,10 +204,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       for (int kc = 0; kc < kNC / 2; ++kc) {
         const int kq = ch * kNC / 2 + kc;
         uint32_t a[4];
-        a[0] = pack2<T>(pt[2 * kq][0], pt[2 * kq][1]);
-        a[1] = pack2<T>(pt[2 * kq][2], pt[2 * kq][3]);
-        a[2] = pack2<T>(pt[2 * kq + 1][0], pt[2 * kq + 1][1]);
-        a[3] = pack2<T>(pt[2 * kq + 1][2], pt[2 * kq + 1][3]);
+        pack_a_step<T>(a, pt, kq);
         if (dw == 0) {
           const int r = 16 * kw + (lane >> 2);
           const int e = (lane & 3) * 2;

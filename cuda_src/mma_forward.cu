@@ -51,11 +51,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const T* gV = v + b * v_sb + hk * v_sh;
 
   // Key tiles this block needs; causal blocks stop at the diagonal.
-  int n_tiles = (nk + Bc - 1) / Bc;
-  if (causal) {
-    const int keys = min(q0 + Br, nq) + causal_offset;  // one past the last key any row sees
-    n_tiles = keys <= 0 ? 0 : min(n_tiles, (keys + Bc - 1) / Bc);
-  }
+  const int n_tiles = key_tiles_needed(nq, nk, q0, Br, Bc, causal, causal_offset);
   // Tiles run from the last (diagonal, masked) to the first, so masking happens up front.
   auto load_kv = [&](int t, int slot) {
     const int j0 = (n_tiles - 1 - t) * Bc;
@@ -154,15 +150,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     // P as A fragments: C tiles 2kk and 2kk+1 form the k16 block kk.
     uint32_t p[kM][Bc / 16][4];
 #pragma unroll
-    for (int mi = 0; mi < kM; ++mi) {
-#pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk) {
-        p[mi][kk][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        p[mi][kk][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        p[mi][kk][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        p[mi][kk][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-      }
-    }
+    for (int mi = 0; mi < kM; ++mi) pack_a<T>(p[mi], s[mi]);
 
     cp_async_wait<2 * kStages - 2>();  // V_t
     __syncthreads();

@@ -119,6 +119,21 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The A fragment of k16 step kk of a product whose A operand is a C strip held in registers (P, P^T,
+// dS^T): C tiles 2kk and 2kk+1, rounded to T. A C strip of 2K n8 tiles is the A operand of K steps.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_a_step(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+  a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+template <typename T, int K>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[K][4], const float (&c)[2 * K][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) pack_a_step<T>(a[kk], c, kk);
+}
+
 // The inverse of pack2: two T packed lo | hi << 16, as floats.
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t x) {

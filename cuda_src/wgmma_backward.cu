@@ -70,11 +70,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
 
   // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
   const int m_tiles = (nq + Br - 1) / Br;
-  int m_start = 0;
-  if (causal) {
-    const int first_query = j0 - causal_offset;
-    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
-  }
+  const int m_start = first_query_tile(j0, Br, m_tiles, causal, causal_offset);
   const int per_head = m_tiles - m_start;
   const int total = group * per_head;
 
@@ -183,26 +179,10 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
       mask_strip<kNQ, true>(st, key_w, i0, nk, causal, causal_offset);
     }
-#pragma unroll
-    for (int n = 0; n < kNQ; ++n) {
-      // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf.
-      const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
-      const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
-                                    ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
-      st[n][0] = fast_exp2(fmaf(st[n][0], c, -l2.x));
-      st[n][1] = fast_exp2(fmaf(st[n][1], c, -l2.y));
-      st[n][2] = fast_exp2(fmaf(st[n][2], c, -l2.x));
-      st[n][3] = fast_exp2(fmaf(st[n][3], c, -l2.y));
-    }
+    probs_from_lse<kNQ>(st, c, lse_b);
     // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows).
     uint32_t pt[Br / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < Br / 16; ++kk) {
-      pt[kk][0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
-      pt[kk][1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
-      pt[kk][2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      pt[kk][3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-    }
+    pack_a<T>(pt, st);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < Br / 16; ++kk) {
@@ -222,13 +202,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       dpt[n][2] = st[n][2] * (dpt[n][2] - dl.x);
       dpt[n][3] = st[n][3] * (dpt[n][3] - dl.y);
     }
-#pragma unroll
-    for (int kk = 0; kk < Br / 16; ++kk) {
-      dst[kk][0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
-      dst[kk][1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
-      dst[kk][2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      dst[kk][3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-    }
+    pack_a<T>(dst, dpt);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < Br / 16; ++kk) {

@@ -57,11 +57,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
   const T* gK = k + b * k_sb + hk * k_sh;
   const T* gV = v + b * v_sb + hk * v_sh;
 
-  int n_tiles = (nk + Bc - 1) / Bc;
-  if (causal) {
-    const int keys = min(q0 + Br, nq) + causal_offset;
-    n_tiles = keys <= 0 ? 0 : min(n_tiles, (keys + Bc - 1) / Bc);
-  }
+  const int n_tiles = key_tiles_needed(nq, nk, q0, Br, Bc, causal, causal_offset);
   // One cp.async group per key tile (K_j and V_j), one tile ahead of the compute.
   auto load_kv = [&](int t, int slot) {
     const int j0 = (n_tiles - 1 - t) * Bc;
@@ -143,15 +139,6 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
     }
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
   };
-  auto pack_p = [&](const float (&s)[kNT][4]) {
-#pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk) {
-      p[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      p[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      p[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      p[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
 
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step t issues S_t and then
   // O += P_{t-1} V_{t-1}, and runs the softmax of S_t while the second product is in flight; O is
@@ -167,7 +154,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
       wgmma::wait<0>();
       wgmma::fence_operands(s);
       softmax(s, 0, alpha);  // acc is still zero: no rescale
-      pack_p(s);
+      pack_a<T>(p, s);
     }
     for (int t = 1; t < n_tiles; ++t) {
       float s[kNT][4], alpha[2];
@@ -187,7 +174,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
         acc[n][2] *= alpha[1];
         acc[n][3] *= alpha[1];
       }
-      pack_p(s);
+      pack_a<T>(p, s);
     }
     issue_pv(n_tiles - 1);
     wgmma::wait<0>();

@@ -75,8 +75,14 @@ def forward(
 
         return portable.forward(q, k, v, o, lse, p)
     b, hq, nq, d = q.shape
-    nk = k.shape[2]
     plan = plans.plan_forward(b, hq, nq, d, _ctype(p), DeviceLimits.current(), config, causal=p.causal)
+    launch_forward(plan, q, k, v, o, lse, p)
+
+
+def launch_forward(plan: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem) -> None:
+    """The forward main kernel; the wgmma family's takes the same arguments (plan: either family's)."""
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
     args = (
         q, k, v, o, lse,
         np.int32(nq), np.int32(nk), np.int32(d), np.int32(hq), np.int32(p.group),

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from .. import _dtypes
 from .._layout import rows_aligned
 from ..plans import DeviceLimits
 from ..plans import wgmma as plans
 from ..validation import AttentionProblem
 from . import mma
-from .build import element_strides as _strides
 
 NAME = "wgmma"
 
@@ -37,17 +34,8 @@ def forward(
     if not rows_aligned(q, k, v, o):
         return mma.forward(q, k, v, o, lse, p)  # which hands unaligned rows on to the portable family
     b, hq, nq, d = q.shape
-    nk = k.shape[2]
-    ctype = _dtypes.CTYPE[np.dtype(p.dtype)]
-    plan = plans.plan_forward(b, hq, nq, d, ctype, DeviceLimits.current(), config, causal=p.causal)
-    args = (
-        q, k, v, o, lse,
-        np.int32(nq), np.int32(nk), np.int32(d), np.int32(hq), np.int32(p.group),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *_strides(lse),
-        np.float32(p.scale * mma.LOG2E), np.int32(p.causal), np.int32(plan.heads_on_x),
-    )  # fmt: skip
-    mma._launch(plan.main, args)
+    plan = plans.plan_forward(b, hq, nq, d, mma._ctype(p), DeviceLimits.current(), config, causal=p.causal)
+    mma.launch_forward(plan, q, k, v, o, lse, p)
 
 
 def backward(
@@ -60,6 +48,5 @@ def backward(
         return mma.backward(do, q, k, v, o, lse, dq, dk, dv, p)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    ctype = _dtypes.CTYPE[np.dtype(p.dtype)]
-    plan = plans.plan_backward(b, hq, hk, nq, nk, d, ctype, limits, config, causal=p.causal)
+    plan = plans.plan_backward(b, hq, hk, nq, nk, d, mma._ctype(p), limits, config, causal=p.causal)
     mma.launch_backward(plan, do, q, k, v, o, lse, dq, dk, dv, p)

@@ -192,7 +192,7 @@ def _heads_on_x(causal: bool, heads: int) -> bool:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    config: ForwardConfig
+    config: Any  # ForwardConfig, or the wgmma family's
     main: LaunchPlan
     heads_on_x: bool  # kernel argument: how main.grid maps to (head, tile)
 

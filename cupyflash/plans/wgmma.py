@@ -67,13 +67,6 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 }
 
 
-@dataclass(frozen=True)
-class ForwardPlan:
-    config: ForwardConfig
-    main: LaunchPlan
-    heads_on_x: bool
-
-
 def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
     pd = padded_head_dim(d)
     if pd is None or limits.compute_capability != COMPUTE_CAPABILITY:
@@ -95,7 +88,7 @@ def _heads_first(causal: bool, heads: int, sm_count: int) -> bool:
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
     config: ForwardConfig | None = None, causal: bool = False,
-) -> ForwardPlan:  # fmt: skip
+) -> mma.ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
@@ -104,7 +97,7 @@ def plan_forward(
     on_x = _heads_first(causal, heads, limits.sm_count)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
-    return ForwardPlan(cfg, main, on_x)
+    return mma.ForwardPlan(cfg, main, on_x)
 
 
 @dataclass(frozen=True)
