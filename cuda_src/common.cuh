@@ -7,6 +7,13 @@ namespace cupyflash {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// log2 on the MUFU path (~2^-22 relative).
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Inputs are float, __half or __nv_bfloat16; all arithmetic is float.
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }

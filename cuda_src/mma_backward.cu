@@ -22,23 +22,21 @@ using namespace cupyflash::mma;
 #include "mma_bwd_keymajor.cuh"
 #include "mma_bwd_2d.cuh"
 
-// Delta = rowsum(dO * O) in f32, one warp per query row; the row's dQ accumulator is zeroed too.
+// Delta = rowsum(dO * O) in f32, one warp per query row; the row's dQ accumulator is zeroed too, and with
+// attention sinks the row's share of dsinks is added.
 template <typename T>
-__global__ void __launch_bounds__(256)
-    mma_bwd_delta(const T* __restrict__ dout, const T* __restrict__ o, float* __restrict__ delta,
-                  float* __restrict__ dq_accum, long long rows, int nq, int d, int hq, long long do_sb,
-                  long long do_sh, long long do_sn, long long o_sb, long long o_sh, long long o_sn) {
+__global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ AttentionParams p) {
   const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  const int i = static_cast<int>(r % nq);
-  const long long bh = r / nq;
-  const int h = static_cast<int>(bh % hq);
-  const long long b = bh / hq;
-  const T* dor = dout + b * do_sb + h * do_sh + i * do_sn;
-  const T* orow = o + b * o_sb + h * o_sh + i * o_sn;
+  if (r >= p.rows) return;
+  const int i = static_cast<int>(r % p.nq);
+  const long long bh = r / p.nq;
+  const int h = static_cast<int>(bh % p.hq);
+  const long long b = bh / p.hq;
+  const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
+  const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n;
   float sum = 0.f;
-  for (int c = lane * 8; c < d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
+  for (int c = lane * 8; c < p.d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
     const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
     const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
     const T* xs = reinterpret_cast<const T*>(&x);
@@ -48,27 +46,31 @@ __global__ void __launch_bounds__(256)
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) delta[r] = sum;
-  float4* acc = reinterpret_cast<float4*>(dq_accum + r * d);
-  for (int c = lane; c < d / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (lane == 0) {
+    p.delta[r] = sum;
+    if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
+      const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
+      atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
+    }
+  }
+  float4* acc = reinterpret_cast<float4*>(p.dq_accum + r * p.d);
+  for (int c = lane; c < p.d / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // dQ = scale * accumulator, written in T with dq's strides; one warp per query row.
 template <typename T>
-__global__ void __launch_bounds__(256)
-    mma_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, long long rows, int nq, int d, int hq,
-                       long long dq_sb, long long dq_sh, long long dq_sn, float scale) {
+__global__ void __launch_bounds__(256) mma_bwd_dq_convert(const __grid_constant__ AttentionParams p) {
   const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (r >= rows) return;
-  const int i = static_cast<int>(r % nq);
-  const long long bh = r / nq;
-  const int h = static_cast<int>(bh % hq);
-  const long long b = bh / hq;
-  T* out = dq + b * dq_sb + h * dq_sh + i * dq_sn;
-  const float* acc = dq_accum + r * d;
-  for (int c = lane * 2; c < d; c += 64) {
+  if (r >= p.rows) return;
+  const int i = static_cast<int>(r % p.nq);
+  const long long bh = r / p.nq;
+  const int h = static_cast<int>(bh % p.hq);
+  const long long b = bh / p.hq;
+  T* out = static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + i * p.dq_s.n;
+  const float* acc = p.dq_accum + r * p.d;
+  for (int c = lane * 2; c < p.d; c += 64) {
     const float2 x = *reinterpret_cast<const float2*>(acc + c);
-    store2<T>(out + c, x.x * scale, x.y * scale);
+    store2<T>(out + c, x.x * p.scale, x.y * p.scale);
   }
 }

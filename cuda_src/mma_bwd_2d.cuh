@@ -15,16 +15,24 @@
 // kPackedP: P^T stays live through dP^T only as the 16-bit values written to smem (half the registers;
 // dS^T = P^T (dP^T - Delta) then starts from P^T rounded to T, one more rounding before dS^T's own).
 template <typename T, int D, int Br, int Bc, int kWarps, int kSKeyWarps, int kVKeyWarps, int kQRowWarps, int kStages,
-          int kMinBlocks, bool kPackedP>
+          int kMinBlocks, bool kPackedP, class Policy>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
-    mma_flash_bwd2d(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                    float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
-                    int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
-                    long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
-                    long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
-                    long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
-                    float scale, float scale_log2, int causal, int heads_on_x) {
+    mma_flash_bwd2d(const __grid_constant__ AttentionParams p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  const T* __restrict__ dout = static_cast<const T*>(p.dout);
+  const float* __restrict__ lse = p.lse;
+  const float* __restrict__ delta = p.delta;
+  float* __restrict__ dq_accum = p.dq_accum;
+  const int nq = p.nq, nk = p.nk, d = p.d, hq = p.hq, group = p.group;
+  const long long q_sb = p.q_s.b, q_sh = p.q_s.h, q_sn = p.q_s.n;
+  const long long k_sb = p.k_s.b, k_sh = p.k_s.h, k_sn = p.k_s.n;
+  const long long v_sb = p.v_s.b, v_sh = p.v_s.h, v_sn = p.v_s.n;
+  const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
+  const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
+  const float scale_log2 = p.scale_log2;
+  Policy pol(p);
   constexpr int kThreads = kWarps * 32;
   // S^T / dP^T warp tile: kSK keys (kMS strips of 16) x kSQ queries (kNS n8 tiles).
   constexpr int kSK = Bc / kSKeyWarps, kSQ = Br / (kWarps / kSKeyWarps);
@@ -51,18 +59,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
 
-  const int hk_count = hq / group;
-  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;
-  const int b = bhk / hk_count;
-  const int hkv = bhk % hk_count;
-  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
+  const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
+  const int b = tc.bh / p.hk;
+  const int hkv = tc.bh % p.hk;
+  const int j0 = tc.tile * Bc;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int causal_offset = nk - nq;
 
-  const int m_tiles = (nq + Br - 1) / Br;
-  const int m_start = first_query_tile(j0, Br, m_tiles, causal, causal_offset);
-  const int per_head = m_tiles - m_start;
+  const Range mt = tiles_covering(pol.mask.queries_of(j0, j0 + Bc), Br);
+  const int m_start = mt.begin;
+  const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
 
   const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
@@ -166,11 +172,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
       }
       float c = scale_log2;
+      pol.score.at_head(p, b, hh);
 #pragma unroll
-      for (int m = 0; m < kMS; ++m) c = positive_scale<kNS>(pt[m], scale_log2);
-      if (key0 + kSK - 1 >= nk || (causal && key0 + kSK - 1 > query0 + causal_offset)) {
+      for (int m = 0; m < kMS; ++m) c = score_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.score, scale_log2);
+      if (pol.mask.partial(query0, query0 + kSQ, key0, key0 + kSK)) {
 #pragma unroll
-        for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, nk, causal, causal_offset);
+        for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.mask);
       }
 #pragma unroll
       for (int n = 0; n < kNS; ++n) {
@@ -229,8 +236,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
             const float2 lo2 = unpack2<T>(pp[m][n][0]), hi2 = unpack2<T>(pp[m][n][1]);
             p4[0] = lo2.x, p4[1] = lo2.y, p4[2] = hi2.x, p4[3] = hi2.y;
           }
-          const uint32_t lo = pack2<T>(p4[0] * (dpt[m][n][0] - dl.x), p4[1] * (dpt[m][n][1] - dl.y));
-          const uint32_t hi = pack2<T>(p4[2] * (dpt[m][n][2] - dl.x), p4[3] * (dpt[m][n][3] - dl.y));
+          float2 lq = {0.f, 0.f};
+          if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
+          float ds[4];
+          ds_tile(ds, p4, dpt[m][n], dl, lq, pol.score, key0 + 16 * m, query0 + n * 8);
+          const uint32_t lo = pack2<T>(ds[0], ds[1]);
+          const uint32_t hi = pack2<T>(ds[2], ds[3]);
           *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 16 * m, chunk0 + n) + e) = lo;
           *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = hi;
         }
@@ -298,27 +309,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
   cp_async_wait<0>();
 
-  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
+  // dV_j and scale * dK_j (this warp's kVK keys and kVD columns).
   const int vw = warp % kVKeyWarps, cw = warp / kVKeyWarps;
 #pragma unroll
-  for (int m = 0; m < kMV; ++m) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int key = j0 + vw * kVK + m * 16 + (lane >> 2) + hf * 8;
-      if (key < nk) {
-        T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
-        T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
-#pragma unroll
-        for (int n = 0; n < kNV; ++n) {
-          const int col = cw * kVD + n * 8 + (lane & 3) * 2;
-          if (col < d) {
-            store2<T>(dv_row + col, acc_dv[m][n][2 * hf], acc_dv[m][n][2 * hf + 1]);
-            store2<T>(dk_row + col, acc_dk[m][n][2 * hf] * scale, acc_dk[m][n][2 * hf + 1] * scale);
-          }
-        }
-      }
-    }
-  }
+  for (int m = 0; m < kMV; ++m) store_dk_dv<T>(p, b, hkv, j0 + vw * kVK + m * 16, cw * kVD, acc_dk[m], acc_dv[m]);
 }
 
 #endif  // CUPYFLASH_MMA_BWD_2D_CUH

@@ -6,16 +6,24 @@
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 
-template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks>
+template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
-    mma_flash_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                  const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                  float* __restrict__ dq_accum, T* __restrict__ dk, T* __restrict__ dv, int nq, int nk, int d, int hq,
-                  int group, long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh,
-                  long long k_sn, long long v_sb, long long v_sh, long long v_sn, long long do_sb, long long do_sh,
-                  long long do_sn, long long dk_sb, long long dk_sh, long long dk_sn, long long dv_sb,
-                  long long dv_sh, long long dv_sn, long long lse_sb, long long lse_sh, long long lse_sn,
-                  float scale, float scale_log2, int causal, int heads_on_x) {
+    mma_flash_bwd(const __grid_constant__ AttentionParams p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  const T* __restrict__ dout = static_cast<const T*>(p.dout);
+  const float* __restrict__ lse = p.lse;
+  const float* __restrict__ delta = p.delta;
+  float* __restrict__ dq_accum = p.dq_accum;
+  const int nq = p.nq, nk = p.nk, d = p.d, hq = p.hq, group = p.group;
+  const long long q_sb = p.q_s.b, q_sh = p.q_s.h, q_sn = p.q_s.n;
+  const long long k_sb = p.k_s.b, k_sh = p.k_s.h, k_sn = p.k_s.n;
+  const long long v_sb = p.v_s.b, v_sh = p.v_s.h, v_sn = p.v_s.n;
+  const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
+  const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
+  const float scale_log2 = p.scale_log2;
+  Policy pol(p);
   constexpr int kWarps = kKeyWarps * kDSplit;
   constexpr int kThreads = kWarps * 32;
   constexpr int Bc = 16 * kKeyWarps;
@@ -43,24 +51,19 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
 
-  const int hk_count = hq / group;
-  // heads_on_x: grid (B*Hk, key tiles), heads fastest, so under causal the first key tiles (the most
-  // query tiles) of every head go first. Otherwise grid (key tiles, B*Hk): the blocks of one kv head run
-  // together and its Q_i/dO_i reads and dQ atomics stay in L2.
-  const int bhk = heads_on_x ? blockIdx.x : blockIdx.y;
-  const int b = bhk / hk_count;
-  const int hkv = bhk % hk_count;
-  const int j0 = (heads_on_x ? blockIdx.y : blockIdx.x) * Bc;
+  const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
+  const int b = tc.bh / p.hk;
+  const int hkv = tc.bh % p.hk;
+  const int j0 = tc.tile * Bc;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int kw = warp % kKeyWarps;
   const int dw = warp / kKeyWarps;
-  const int causal_offset = nk - nq;
 
-  // Query tiles that see any key of K_j: causal skips those wholly above the diagonal.
-  const int m_tiles = (nq + Br - 1) / Br;
-  const int m_start = first_query_tile(j0, Br, m_tiles, causal, causal_offset);
-  const int per_head = m_tiles - m_start;
+  // Query tiles that see any key of K_j (under causal, not those wholly above the diagonal).
+  const Range mt = tiles_covering(pol.mask.queries_of(j0, j0 + Bc), Br);
+  const int m_start = mt.begin;
+  const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
 
   const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
@@ -159,10 +162,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       ldmatrix_x4(a, kv_a.at(sK_u, ks));
       mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
     }
-    const float c = positive_scale<kNQ>(pt, scale_log2);
-    if (key_w + 15 >= nk || (causal && key_w + 15 > i0 + causal_offset)) {
-      mask_strip<kNQ, true>(pt, key_w, i0, nk, causal, causal_offset);
-    }
+    pol.score.at_head(p, b, hh);
+    const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
+    if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(pt, c, lse_b);
 
     // dV_j += P^T dO_i (this warp's d-slice).
@@ -193,10 +195,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
       for (int n = 0; n < kNC; ++n) {
         const float2 dl = *reinterpret_cast<const float2*>(delta_b + (ch * kNC + n) * 8);
-        pt[ch * kNC + n][0] *= dpt[n][0] - dl.x;
-        pt[ch * kNC + n][1] *= dpt[n][1] - dl.y;
-        pt[ch * kNC + n][2] *= dpt[n][2] - dl.x;
-        pt[ch * kNC + n][3] *= dpt[n][3] - dl.y;
+        float2 lq = {0.f, 0.f};
+        if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + (ch * kNC + n) * 8);
+        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8);
       }
 
       // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
@@ -257,23 +258,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   }
   cp_async_wait<0>();
 
-  // dV_j and scale * dK_j; keys past Nk are not stored, keys no query sees get zeros.
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int key = key_w + (lane >> 2) + hf * 8;
-    if (key < nk) {
-      T* dv_row = dv + b * dv_sb + hkv * dv_sh + key * dv_sn;
-      T* dk_row = dk + b * dk_sb + hkv * dk_sh + key * dk_sn;
-#pragma unroll
-      for (int n = 0; n < kDS / 8; ++n) {
-        const int col = dw * kDS + n * 8 + (lane & 3) * 2;
-        if (col < d) {
-          store2<T>(dv_row + col, acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
-          store2<T>(dk_row + col, acc_dk[n][2 * hf] * scale, acc_dk[n][2 * hf + 1] * scale);
-        }
-      }
-    }
-  }
+  // dV_j and scale * dK_j (this warp's keys and d-slice).
+  store_dk_dv<T>(p, b, hkv, key_w, dw * kDS, acc_dk, acc_dv);
 }
 
 #endif  // CUPYFLASH_MMA_BWD_KEYMAJOR_CUH

@@ -4,18 +4,17 @@
 #pragma once
 #include <math_constants.h>
 
+#include "attention_policy.cuh"
 #include "mma_primitives.cuh"
 
 namespace cupyflash {
 namespace mma {
 
-// Set s to -inf where key > query + causal_offset (causal) or key >= nk. s holds NT C tiles of
-// one 16-row strip whose first row is row0 and first key col0; lane (g, t) owns rows row0+g,
-// row0+g+8 and columns col0 + 8n + 2t, +1.
+// Set s to -inf where the mask hides a pair. s holds NT C tiles of one 16-row strip whose first row is
+// row0 and first column col0; lane (g, t) owns rows row0+g, row0+g+8 and columns col0 + 8n + 2t, +1.
 // kKeyRows: the strip is transposed (rows are keys, columns queries), as in the backward's S^T.
-template <int NT, bool kKeyRows = false>
-__device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0, int nk, bool causal,
-                                           int causal_offset) {
+template <int NT, bool kKeyRows = false, class Mask>
+__device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0, const Mask& mask) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -23,35 +22,9 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0
     for (int e = 0; e < 4; ++e) {
       const int row = row0 + (lane >> 2) + (e >> 1) * 8;
       const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
-      const int query = kKeyRows ? col : row;
-      const int key = kKeyRows ? row : col;
-      const bool out = key >= nk || (causal && key > query + causal_offset);
-      if (out) s[n][e] = -CUDART_INF_F;
+      if (!mask.visible(kKeyRows ? col : row, kKeyRows ? row : col)) s[n][e] = -CUDART_INF_F;
     }
   }
-}
-
-// Key tiles of Bc that a query tile [q0, q0 + Br) needs: all of them, or under causal those up to the
-// diagonal (0 when no row sees a key). causal_offset = nk - nq.
-__device__ __forceinline__ int key_tiles_needed(int nq, int nk, int q0, int Br, int Bc, bool causal,
-                                                int causal_offset) {
-  int n_tiles = (nk + Bc - 1) / Bc;
-  if (causal) {
-    const int keys = min(q0 + Br, nq) + causal_offset;  // one past the last key any row sees
-    n_tiles = keys <= 0 ? 0 : min(n_tiles, (keys + Bc - 1) / Bc);
-  }
-  return n_tiles;
-}
-
-// The first of m_tiles query tiles of Br that sees any key of the key tile starting at j0: 0, or under
-// causal the tile of the first query on or below the diagonal (m_tiles when none is).
-__device__ __forceinline__ int first_query_tile(int j0, int Br, int m_tiles, bool causal, int causal_offset) {
-  int m_start = 0;
-  if (causal) {
-    const int first_query = j0 - causal_offset;
-    m_start = first_query <= 0 ? 0 : min(first_query / Br, m_tiles);
-  }
-  return m_start;
 }
 
 // The backward's P^T = exp2(S^T * c - lse * log2 e) on a key-major strip: column n8 tile n, pair
@@ -110,6 +83,148 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
     for (int e = 0; e < 4; ++e) s[n][e] *= c;
   }
   return 1.f;
+}
+
+// The policy's scores for one strip (coordinates as in mask_strip), before masking. Returns the scale the
+// exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
+// 1 once a score policy has produced log2 units itself.
+template <int NT, bool kKeyRows = false, class Score>
+__device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
+                                             float scale_log2) {
+  if constexpr (Score::kIdentity) {
+    return positive_scale<NT>(s, scale_log2);
+  } else {
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + (lane >> 2) + (e >> 1) * 8;
+        const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        s[n][e] = score.template log2_score<true>(s[n][e], kKeyRows ? col : row, kKeyRows ? row : col);
+      }
+    }
+    return 1.f;
+  }
+}
+
+// The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
+// P^T (dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt).
+// lse_q: the tile's queries' lse (natural log), delta_q: their Delta.
+template <class Score>
+__device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
+                                        float2 lse_q, const Score& score, int key0, int q0) {
+  if constexpr (Score::kIdentity) {
+    ds[0] = pt[0] * (dpt[0] - delta_q.x);
+    ds[1] = pt[1] * (dpt[1] - delta_q.y);
+    ds[2] = pt[2] * (dpt[2] - delta_q.x);
+    ds[3] = pt[3] * (dpt[3] - delta_q.y);
+  } else {
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + (lane >> 2) + (e >> 1) * 8;
+      const int query = q0 + (lane & 3) * 2 + (e & 1);
+      const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
+      const float f = score.template ds_factor<true>(pt[e], l2, query, key);
+      ds[e] = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x)) * f;
+    }
+  }
+}
+
+// Start of the forward's running max and sum for one row pair: -inf and 0, or with an attention sink
+// its logit and its exp2(0) = 1 (on lane t = 0 only: l is a per-lane partial sum, reduced over the quad).
+__device__ __forceinline__ void softmax_start(float (&m)[2], float (&l)[2], float sink) {
+  const bool first = (threadIdx.x & 3) == 0;
+  m[0] = m[1] = sink;
+  l[0] = l[1] = (first && sink != -CUDART_INF_F) ? 1.f : 0.f;
+}
+
+// ------------------------------------------------------------------------------ epilogues and loaders
+
+// The forward's epilogue for one 16-row strip of C fragments (rows row0 + g, row0 + g + 8 of this lane):
+// O = acc / l in T, lse = (m + log2 l) ln 2; rows that saw no key get 0 and -inf; rows past nq and
+// columns past d are not stored. l is this lane's partial row sum (reduced over the quad here).
+template <typename T, int NT>
+__device__ __forceinline__ void store_o_lse(const AttentionParams& p, int b, int h, int row0, const float (&acc)[NT][4],
+                                            const float (&m)[2], const float (&l)[2]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  T* gO = static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h;
+  float* gL = p.lse + b * p.lse_s.b + h * p.lse_s.h;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sum = quad_sum(l[hh]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = row0 + (lane >> 2) + hh * 8;
+    if (row < p.nq) {
+      T* orow = gO + row * p.o_s.n;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int col = n * 8 + (lane & 3) * 2;
+        if (col < p.d) store2<T>(orow + col, acc[n][2 * hh] * inv, acc[n][2 * hh + 1] * inv);
+      }
+      if ((lane & 3) == 0) gL[row * p.lse_s.n] = sum > 0.f ? (m[hh] + log2f(sum)) * 0.6931471805599453f : -CUDART_INF_F;
+    }
+  }
+}
+
+// The backward's epilogue for one 16-key strip: dV_j and scale * dK_j in T, columns col0 + 8n + 2t, +1 of
+// keys key0 + g, key0 + g + 8. Keys past nk are not stored; keys no query sees get zeros.
+template <typename T, int NT>
+__device__ __forceinline__ void store_dk_dv(const AttentionParams& p, int b, int hkv, int key0, int col0,
+                                            const float (&acc_dk)[NT][4], const float (&acc_dv)[NT][4]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int key = key0 + (lane >> 2) + hf * 8;
+    if (key < p.nk) {
+      T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hkv * p.dv_s.h + key * p.dv_s.n;
+      T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hkv * p.dk_s.h + key * p.dk_s.n;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int col = col0 + n * 8 + (lane & 3) * 2;
+        if (col < p.d) {
+          store2<T>(dv_row + col, acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
+          store2<T>(dk_row + col, acc_dk[n][2 * hf] * p.scale, acc_dk[n][2 * hf + 1] * p.scale);
+        }
+      }
+    }
+  }
+}
+
+// The backward's per-row statistics of one Q_i tile (rows i0.. of query head h) into shared memory,
+// as cp.async copies in the caller's current group: lse to s_lse[r], Delta to s_delta[r], thread r < Br
+// copying row r. Rows past nq read nothing and become 0: their Q and dO rows are zero-filled too, so
+// they contribute nothing whatever P is.
+template <int Br>
+__device__ __forceinline__ void load_row_stats_async(const AttentionParams& p, float* s_lse, float* s_delta, int b,
+                                                     int h, int i0, int tid) {
+  if (tid < Br) {
+    const int i = min(i0 + tid, p.nq - 1);
+    const int nbytes = i0 + tid < p.nq ? 4 : 0;
+    cp_async_4(smem_u32(s_lse + tid), p.lse + b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n, nbytes);
+    cp_async_4(smem_u32(s_delta + tid), p.delta + (static_cast<long long>(b) * p.hq + h) * p.nq + i, nbytes);
+  }
+}
+
+// Adds a warp's dQ_i fragments (rows row0 + g, + 8; columns col0 + 8n + 2t, +1) into the f32 accumulator
+// row block of query head h; rows past nq and columns past d are skipped. (lane comes from the caller,
+// which may rebuild it from an opaque thread index to keep address registers out of its main loop.)
+template <int NT>
+__device__ __forceinline__ void red_add_dq(const AttentionParams& p, int b, int h, int row0, int col0,
+                                           const float (&acc)[NT][4], int lane) {
+  float* gdq = p.dq_accum + ((static_cast<long long>(b) * p.hq + h) * p.nq) * p.d;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = row0 + (lane >> 2) + hf * 8;
+    if (row < p.nq) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int col = col0 + n * 8 + (lane & 3) * 2;
+        if (col < p.d) red_add2(gdq + static_cast<long long>(row) * p.d + col, acc[n][2 * hf], acc[n][2 * hf + 1]);
+      }
+    }
+  }
 }
 
 }  // namespace mma

@@ -15,13 +15,8 @@
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
-template <typename T, int D, int Bc, int kWG, int kStages, int kMinBlocks>
-__global__ void __launch_bounds__(kWG * 128, kMinBlocks)
-    wgmma_flash_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-                    float* __restrict__ lse, int nq, int nk, int d, int hq, int group, long long q_sb, long long q_sh,
-                    long long q_sn, long long k_sb, long long k_sh, long long k_sn, long long v_sb, long long v_sh,
-                    long long v_sn, long long o_sb, long long o_sh, long long o_sn, long long lse_sb, long long lse_sh,
-                    long long lse_sn, float scale_log2, int causal, int heads_on_x) {
+template <typename T, int D, int Bc, int kWG, int kStages, int kMinBlocks, class Policy>
+__global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const __grid_constant__ AttentionParams p) {
   constexpr int kThreads = kWG * 128;
   constexpr int Br = 64 * kWG;
   constexpr int kSlabs = D / 64;     // 64-column slabs per tile
@@ -41,39 +36,39 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
   T* const sK = reinterpret_cast<T*>(smem_raw + (sK_u - raw_u));
   T* const sV = reinterpret_cast<T*>(smem_raw + (sV_u - raw_u));
 
-  const int bh = heads_on_x ? blockIdx.x : blockIdx.y;
-  const int q_tile = heads_on_x ? blockIdx.y : blockIdx.x;
-  const int n_qtiles = heads_on_x ? gridDim.y : gridDim.x;
-  const int b = bh / hq;
-  const int h = bh % hq;
-  const int hk = h / group;
-  const int q0 = (n_qtiles - 1 - q_tile) * Br;
+  const TileCoord tc = tile_coord(p);
+  const int b = tc.bh / p.hq;
+  const int h = tc.bh % p.hq;
+  const int hk = h / p.group;
+  const int q0 = (tc.n_tiles - 1 - tc.tile) * Br;
   const int wg = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
-  const int lane = threadIdx.x % 32;
-  const int causal_offset = nk - nq;
+  Policy pol(p);
+  pol.score.at_head(p, b, h);
 
-  const T* gQ = q + b * q_sb + h * q_sh + q0 * q_sn;
-  const T* gK = k + b * k_sb + hk * k_sh;
-  const T* gV = v + b * v_sb + hk * v_sh;
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + q0 * p.q_s.n;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
 
-  const int n_tiles = key_tiles_needed(nq, nk, q0, Br, Bc, causal, causal_offset);
+  // Key tiles from the last to the first (see mma_forward.cu).
+  const Range kt = tiles_covering(pol.mask.keys_of(q0, q0 + Br), Bc);
+  const int n_tiles = kt.end - kt.begin;
   // One cp.async group per key tile (K_j and V_j), one tile ahead of the compute.
   auto load_kv = [&](int t, int slot) {
-    const int j0 = (n_tiles - 1 - t) * Bc;
+    const int j0 = (kt.end - 1 - t) * Bc;
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl) {
-      load_tile_async<T, 64, Bc, kThreads>(sK + (slot * kSlabs + sl) * Bc * 64, gK + j0 * k_sn + 64 * sl, k_sn, nk - j0,
-                                           d - 64 * sl, threadIdx.x);
-      load_tile_async<T, 64, Bc, kThreads>(sV + (slot * kSlabs + sl) * Bc * 64, gV + j0 * v_sn + 64 * sl, v_sn, nk - j0,
-                                           d - 64 * sl, threadIdx.x);
+      load_tile_async<T, 64, Bc, kThreads>(sK + (slot * kSlabs + sl) * Bc * 64, gK + j0 * p.k_s.n + 64 * sl, p.k_s.n,
+                                           p.nk - j0, p.d - 64 * sl, threadIdx.x);
+      load_tile_async<T, 64, Bc, kThreads>(sV + (slot * kSlabs + sl) * Bc * 64, gV + j0 * p.v_s.n + 64 * sl, p.v_s.n,
+                                           p.nk - j0, p.d - 64 * sl, threadIdx.x);
     }
     cp_async_commit();
   };
 
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl) {
-    load_tile_async<T, 64, Br, kThreads>(sQ + sl * Br * 64, gQ + 64 * sl, q_sn, nq - q0, d - 64 * sl, threadIdx.x);
+    load_tile_async<T, 64, Br, kThreads>(sQ + sl * Br * 64, gQ + 64 * sl, p.q_s.n, p.nq - q0, p.d - 64 * sl, threadIdx.x);
   }
   if (n_tiles > 0) {
     load_kv(0, 0);  // Q_i rides in the first group
@@ -82,8 +77,8 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
   }
 
   float acc[D / 8][4];
-  float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  float l_run[2] = {0.f, 0.f};
+  float m_run[2], l_run[2];
+  softmax_start(m_run, l_run, sink_log2(p, h));
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
@@ -92,7 +87,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
 
   const int row_w = wg * 64 + warp * 16;  // first row of this warp's strip inside Q_i
   const uint32_t q_base = sQ_u + wg * 64 * 128;
-  uint32_t p[Bc / 16][4] = {};  // P_{t-1}: the A operand of the P V product in flight
+  uint32_t pa[Bc / 16][4] = {};  // P_{t-1}: the A operand of the P V product in flight
 
   // O += P V_t: P from registers, V_t MN-major (keys down the rows, the next 64 columns kSlabBytesK on).
   auto issue_pv = [&](int t) {
@@ -100,7 +95,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
-      wgmma::mma_rs<T, D>(acc, p[kk], wgmma::desc_sw128(v_base + kk * 16 * 128, kSlabBytesK));
+      wgmma::mma_rs<T, D>(acc, pa[kk], wgmma::desc_sw128(v_base + kk * 16 * 128, kSlabBytesK));
     }
     wgmma::commit();
   };
@@ -129,14 +124,12 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
     }
     wgmma::commit();
   };
-  // Mask (only tiles that cross N or the diagonal) and online softmax: s becomes P_t unrounded.
+  // Mask (only partial tiles) and online softmax: s becomes P_t unrounded.
   auto softmax = [&](float (&s)[kNT][4], int t, float (&alpha)[2]) {
-    const int j0 = (n_tiles - 1 - t) * Bc;
+    const int j0 = (kt.end - 1 - t) * Bc;
     const int row0 = q0 + row_w;
-    const float c = positive_scale<kNT>(s, scale_log2);
-    if (j0 + Bc > nk || (causal && j0 + Bc - 1 > row0 + causal_offset)) {
-      mask_strip<kNT>(s, row0, j0, nk, causal, causal_offset);
-    }
+    const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
+    if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
   };
 
@@ -154,7 +147,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
       wgmma::wait<0>();
       wgmma::fence_operands(s);
       softmax(s, 0, alpha);  // acc is still zero: no rescale
-      pack_a<T>(p, s);
+      pack_a<T>(pa, s);
     }
     for (int t = 1; t < n_tiles; ++t) {
       float s[kNT][4], alpha[2];
@@ -166,7 +159,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
       softmax(s, t, alpha);
       wgmma::wait<0>();  // P_{t-1} V_{t-1} has landed: acc and p are free again
       wgmma::fence_operands(acc);
-      wgmma::fence_operands(p);
+      wgmma::fence_operands(pa);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         acc[n][0] *= alpha[0];
@@ -174,7 +167,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
         acc[n][2] *= alpha[1];
         acc[n][3] *= alpha[1];
       }
-      pack_a<T>(p, s);
+      pack_a<T>(pa, s);
     }
     issue_pv(n_tiles - 1);
     wgmma::wait<0>();
@@ -182,24 +175,6 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks)
   }
   cp_async_wait<0>();
 
-  // Epilogue: O = acc / l, lse = (m + log2 l) ln 2; rows that saw no key get 0 and -inf.
-  T* gO = o + b * o_sb + h * o_sh;
-  float* gL = lse + b * lse_sb + h * lse_sh;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float l = quad_sum(l_run[hh]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = q0 + row_w + (lane >> 2) + hh * 8;
-    if (row < nq) {
-      T* orow = gO + row * o_sn;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + (lane & 3) * 2;
-        if (col < d) store2<T>(orow + col, acc[n][2 * hh] * inv, acc[n][2 * hh + 1] * inv);
-      }
-      if ((lane & 3) == 0) {
-        gL[row * lse_sn] = l > 0.f ? (m_run[hh] + log2f(l)) * 0.6931471805599453f : -CUDART_INF_F;
-      }
-    }
-  }
+  // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
+  store_o_lse<T>(p, b, h, q0 + row_w, acc, m_run, l_run);
 }

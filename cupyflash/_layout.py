@@ -61,3 +61,38 @@ def batch_views(arrays: Sequence[Any], batch: tuple[int, ...]) -> Iterator[tuple
     # Peel the outermost batch dim and try again on each slice.
     for i in range(batch[0]):
         yield from batch_views([x[i] for x in arrays], batch[1:])
+
+
+# ---------------------------------------------------------------------------------------
+# The same views as pure data (shapes and strides only): what the cached launch plans use.
+
+
+def _merged(shape: Sequence[int], strides: Sequence[int], itemsize: int, nbatch: int, tail: int):
+    """(B, element strides of the (b, *tail axes)) of one array's view, or None if its batch dims
+    don't merge. ``tail``: how many trailing axes keep their own strides (H, N for (..., H, N, D))."""
+    batch, bstrides = shape[:nbatch], strides[:nbatch]
+    if not _mergeable(batch, bstrides):
+        return None
+    b = 1
+    for n in batch:
+        b *= n
+    inner = [s for n, s in zip(batch, bstrides) if n != 1]
+    sb = inner[-1] if inner else 0
+    rest = strides[nbatch : nbatch + tail]
+    return b, (sb // itemsize, *(s // itemsize for s in rest))
+
+
+def views_of(arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]], nbatch: int):
+    """For named arrays given as (shape, strides in bytes, itemsize), all with the same ``nbatch``
+    leading batch dims: (B, element strides of each array's (b, h, n) axes, byte offsets of each
+    sub-batch). Arrays of rank nbatch + 3 are (..., H, N, D); of rank nbatch + 2, (..., H, N)."""
+    merged = {name: _merged(sh, st, it, nbatch, 2) for name, (sh, st, it) in arrays.items()}
+    if all(m is not None for m in merged.values()):
+        b = next(iter(merged.values()))[0] if merged else 1
+        return b, {name: m[1] for name, m in merged.items()}, ({name: 0 for name in arrays},)
+    # Peel the outermost batch dim: one sub-call per index, with the arrays' byte offsets.
+    n0 = next(iter(arrays.values()))[0][0]
+    sub = {name: (sh[1:], st[1:], it) for name, (sh, st, it) in arrays.items()}
+    b, strides, offsets = views_of(sub, nbatch - 1)
+    out = tuple({name: i * arrays[name][1][0] + off[name] for name in arrays} for i in range(n0) for off in offsets)
+    return b, strides, out

@@ -1,5 +1,6 @@
-"""Public functions. The array type picks the backend: CuPy runs the CUDA kernels on the
-current device and stream, NumPy runs the float64 reference and casts back."""
+"""Public functions. The array type picks the backend: CuPy arrays run the CUDA kernels on the current
+device and stream (``cuda_backend``), NumPy arrays run the float64 reference and round once to the
+input dtype."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -7,95 +8,67 @@ from typing import Any, Callable
 import numpy as np
 
 from . import reference
-from .validation import AttentionProblem, check_attention, check_backward
+from .validation import array_kind, check_attention, check_backward
 
-Kernel = str  # "auto", "wgmma", "mma" or "portable" (see kernels.dispatch.KERNELS)
+Kernel = str  # "auto", "wgmma", "mma" or "portable" (kernels.dispatch.KERNELS)
+KERNELS = ("auto", "wgmma", "mma", "portable")
 
 
 def _check_kernel(kernel: Kernel) -> None:
-    from .kernels.dispatch import KERNELS
-
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
 
 
-# ---------------------------------------------------------------------------- CUDA backend
-
-
-def _select(p: AttentionProblem, kernel: Kernel):
-    from .kernels import dispatch
-    from .plans import DeviceLimits
-
-    return dispatch.select(p, DeviceLimits.current(), kernel)
-
-
-def _cuda_forward(q, k, v, p: AttentionProblem, kernel: Kernel):
-    import cupy
-
-    from ._layout import batch_views, unit_last_stride
-
-    fam = _select(p, kernel)  # raises before anything is allocated or launched
-    q, k, v = (unit_last_stride(x) for x in (q, k, v))
-    o = cupy.empty(q.shape, dtype=p.dtype)
-    lse = cupy.empty(q.shape[:-1], dtype=np.float32)
-    if o.size == 0:
-        return o, lse
-    if p.nk == 0:  # no key at all: every row is fully masked
-        o.fill(0)
-        lse.fill(-np.inf)
-        return o, lse
-    for q4, k4, v4, o4, lse3 in batch_views((q, k, v, o, lse[..., None]), p.batch):
-        fam.forward(q4, k4, v4, o4, lse3[..., 0], p)
-    return o, lse
-
-
-def _cuda_backward(do, q, k, v, o, lse, p: AttentionProblem, kernel: Kernel):
-    import cupy
-
-    from ._layout import batch_views, unit_last_stride
-
-    fam = _select(p, kernel)
-    do, q, k, v, o = (unit_last_stride(x) for x in (do, q, k, v, o))
-    lse = cupy.ascontiguousarray(lse)
-    dq = cupy.empty(q.shape, dtype=p.dtype)
-    dk = cupy.empty(k.shape, dtype=p.dtype)
-    dv = cupy.empty(v.shape, dtype=p.dtype)
-    if p.nq == 0 or p.nk == 0 or p.batch_size == 0:
-        for g in (dq, dk, dv):
-            g.fill(0)
-        return dq, dk, dv
-    arrays = (do, q, k, v, o, lse[..., None], dq, dk, dv)
-    for do4, q4, k4, v4, o4, lse3, dq4, dk4, dv4 in batch_views(arrays, p.batch):
-        fam.backward(do4, q4, k4, v4, o4, lse3[..., 0], dq4, dk4, dv4, p)
-    return dq, dk, dv
-
-
-# ---------------------------------------------------------------------------- public API
+def _is_cupy(x: Any) -> bool:
+    return array_kind("q", x) == "cupy"
 
 
 def attention_forward(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *, kernel: Kernel = "auto"
-) -> tuple[Any, Any]:
-    """Softmax attention: ``o = softmax(scale * q @ k^T) @ v`` and ``lse``, its per-row log-sum-exp.
+    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
+    window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    kernel: Kernel = "auto",
+) -> tuple[Any, Any]:  # fmt: skip
+    """Softmax attention ``o = softmax(scale * q @ k^T) @ v`` and ``lse``, each row's log-sum-exp.
 
-    q: (..., Hq, Nq, D); k, v: (..., Hk, Nk, D) with Hq % Hk == 0 (GQA/MQA).
-    ``causal`` masks key j for query i when j > i + Nk - Nq (bottom-right aligned).
-    Returns o (q's shape and dtype) and lse (float32, q's shape without D; -inf where a
-    row sees no key). ``kernel`` picks a kernel family ("auto", "mma", "portable").
+    Args:
+        q: ``(..., Hq, Nq, D)``; k, v: ``(..., Hk, Nk, D)`` with ``Hq % Hk == 0`` (GQA/MQA: query head h
+            reads key/value head ``h // (Hq // Hk)``); leading dims are batch dims and must match.
+            float32, float16 or bfloat16, all the same; CuPy arrays (CUDA kernels on the current device
+            and stream; strided views such as a ``(B, N, H, D)`` array seen as ``(B, H, N, D)`` are read
+            in place) or NumPy arrays (the float64 NumPy implementation), not mixed.
+        causal: mask key j for query i when ``j > i + Nk - Nq`` (bottom-right aligned, FlashAttention >= 2.1).
+        scale: the softmax scale; ``1/sqrt(D)`` when None.
+        window_size: ``(left, right)``, ``-1`` (or None) = unbounded on that side: key j is visible to query i
+            iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right`` (sliding window); with ``causal``, right = 0.
+        softcap: ``s = softcap * tanh(s / softcap)`` on the scaled score (Gemma 2); 0 = off.
+        alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: ``s -= slope[h] * |i + Nk - Nq - j|`` (ALiBi).
+        sinks: float32 ``(Hq,)``: a learnable logit per head in every row's softmax denominator (a key with
+            value 0; GPT-OSS). lse includes it, so a row that sees no key still has lse = sink and o = 0.
+            Scores are formed as scale -> softcap -> ALiBi -> window/causal mask -> softmax (with the sink).
+        kernel: ``"auto"`` (the fastest family that can run the call), or ``"wgmma"`` (Hopper, fp16/bf16,
+            32 < D <= 128), ``"mma"`` (sm_80+, fp16/bf16), ``"portable"`` (any dtype and GPU); a family
+            that cannot run the call raises ``TypeError`` with its reason.
+
+    Returns:
+        ``o`` (q's shape and dtype) and ``lse`` (float32, q's shape without D, natural log of the scaled
+        scores; ``-inf`` for a row that sees no key, whose output is 0).
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument before anything is launched.
     """
     _check_kernel(kernel)
-    p = check_attention(q, k, v, causal=causal, scale=scale)
-    if p.xp == "numpy":
-        o, lse = reference.attention_forward(q, k, v, causal=p.causal, scale=p.scale)
-        return o.astype(p.dtype), lse.astype(np.float32)
-    return _cuda_forward(q, k, v, p, kernel)
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    if _is_cupy(q):
+        from . import cuda_backend
+
+        return cuda_backend.forward(q, k, v, causal, scale, kernel, **variant)
+    p = check_attention(q, k, v, causal=causal, scale=scale, **variant)
+    o, lse = reference.attention_forward(q, k, v, causal=causal, scale=p.scale, **variant)
+    return o.astype(p.dtype), lse.astype(np.float32)
 
 
-def attention(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *, kernel: Kernel = "auto"
-) -> Any:
-    """Softmax attention output only; see ``attention_forward``."""
-    return attention_forward(q, k, v, causal, scale, kernel=kernel)[0]
+def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any) -> Any:
+    """Softmax attention output ``o`` only; arguments as in ``attention_forward``."""
+    return attention_forward(q, k, v, causal, scale, **keywords)[0]
 
 
 def attention_backward(
@@ -108,28 +81,42 @@ def attention_backward(
     causal: bool = False,
     scale: float | None = None,
     *,
+    window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     kernel: Kernel = "auto",
-) -> tuple[Any, Any, Any]:
-    """Gradients (dq, dk, dv) of ``attention`` given dO and the forward's o and lse.
+) -> tuple[Any, ...]:
+    """Gradients ``(dq, dk, dv)`` of ``attention`` for the output gradient ``do``; with ``sinks`` also
+    ``dsinks`` (float32, ``(Hq,)``, summed over batch and rows).
 
-    Recomputes the attention matrix tile by tile (FlashAttention's backward), so memory
-    stays O(N). dk and dv have k's and v's shapes: under GQA they sum over each group.
+    ``o`` and ``lse`` are the forward's outputs for the same q, k, v, causal and scale; ``do`` has
+    q's shape and dtype. The attention matrix is recomputed tile by tile (FlashAttention's
+    backward), so memory stays O(N). dk and dv have k's and v's shapes: under GQA each sums over its
+    group of query heads. The variant keywords must be those of the forward that made o and lse (its lse
+    includes the sinks: that is how the backward knows each row's sink share). ``kernel`` as in
+    ``attention_forward`` (any family's backward runs on any family's forward output).
     """
     _check_kernel(kernel)
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-    if p.xp == "numpy":
-        grads = reference.attention_backward(do, q, k, v, o, lse, causal=p.causal, scale=p.scale)
-        return tuple(g.astype(p.dtype) for g in grads)  # type: ignore[return-value]
-    return _cuda_backward(do, q, k, v, o, lse, p, kernel)
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    if _is_cupy(q):
+        from . import cuda_backend
+
+        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, **variant)
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **variant)
+    grads = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=p.scale, **variant)
+    out = tuple(g.astype(p.dtype) for g in grads[:3])
+    return out if sinks is None else (*out, grads[3].astype(np.float32))
 
 
 def attention_vjp(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *, kernel: Kernel = "auto"
-) -> tuple[Any, Callable[[Any], tuple[Any, Any, Any]]]:
-    """``o`` and a function that maps dO to (dq, dk, dv), keeping only o and lse alive."""
-    o, lse = attention_forward(q, k, v, causal, scale, kernel=kernel)
+    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+    """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks); keywords as in
+    ``attention_forward``. Only o and lse stay alive in between."""
+    o, lse = attention_forward(q, k, v, causal, scale, **keywords)
 
-    def vjp(do: Any) -> tuple[Any, Any, Any]:
-        return attention_backward(do, q, k, v, o, lse, causal, scale, kernel=kernel)
+    def vjp(do: Any) -> tuple[Any, ...]:
+        return attention_backward(do, q, k, v, o, lse, causal, scale, **keywords)
 
     return o, vjp

@@ -10,7 +10,7 @@ dtype (float64, float32, float16, bfloat16):
   forward, recomputation of P in the FA2-ordered backward). It mirrors what the CUDA
   kernels do, tile by tile, so a kernel bug can be narrowed to one step of the algorithm.
 
-Conventions (DESIGN.md §1): q is (..., Hq, Nq, D), k and v are (..., Hk, Nk, D) with
+Conventions (as in ``cupyflash.attention_forward``): q is (..., Hq, Nq, D), k and v are (..., Hk, Nk, D) with
 Hq % Hk == 0 and query head h reading key/value head h // (Hq // Hk); ``causal`` masks key j
 for query i when j > i + (Nk - Nq); lse is the natural-log log-sum-exp of the scaled scores;
 a query row that sees no key gives o = 0, lse = -inf and zero gradients.
@@ -56,10 +56,9 @@ def _kv_heads(x: Any, p: AttentionProblem) -> Any:
 
 
 def _visible(xp: Any, rows: Any, cols: Any, p: AttentionProblem) -> Any:
-    """Boolean (len(rows), len(cols)): may query ``rows[a]`` see key ``cols[b]``?"""
-    if not p.causal:
-        return xp.ones((len(rows), len(cols)), dtype=bool)
-    return cols[None, :] <= rows[:, None] + (p.nk - p.nq)
+    """Boolean (len(rows), len(cols)): may query ``rows[a]`` see key ``cols[b]``? (The variant's rule,
+    the same as its kernel policy's ``visible``.)"""
+    return p.variant.visible(xp, rows, cols, p.nq, p.nk)
 
 
 def _row_max(xp: Any, s: Any) -> Any:
@@ -79,75 +78,120 @@ def _t(x: Any) -> Any:
     return x.swapaxes(-1, -2)
 
 
+# ---------------------------------------------------------------------------- variants
+
+
+def _per_head(x: Any, p: AttentionProblem) -> Any:
+    """A float32 (Hq,) or (*batch, Hq) array as float64 (..., Hk, G, 1, 1), broadcasting like S."""
+    x = x.astype(np.float64)
+    lead = x.shape[:-1] if x.ndim > 1 else (1,) * len(p.batch)
+    return x.reshape(*lead, p.hk, p.group, 1, 1)
+
+
+def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, slopes: Any) -> tuple[Any, Any]:
+    """(S after softcap and ALiBi, S scaled only) on the rows x cols tile, masked to -inf where hidden."""
+    raw = p.scale * (Q @ _t(K))
+    S = p.variant.scores(xp, raw, slopes, rows, cols, p.nq, p.nk)
+    S = xp.where(_visible(xp, rows, cols, p), S, NEG_INF)
+    return S, raw
+
+
+def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
+    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+
+
 # ---------------------------------------------------------------------------- plain
 
 
 def attention_forward(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None
-) -> tuple[Any, Any]:
-    """o = softmax(scale * q k^T) v and lse, both float64, the whole score matrix at once."""
-    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True)
+    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
+    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
+
+    scores = scale q k^T, then softcap, then ALiBi, then the causal/window mask; a sink logit per head
+    joins every row's denominator (and its lse)."""
+    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
-    S = p.scale * (Q @ _t(K))  # (..., Hk, G, Nq, Nk)
-    S = xp.where(_visible(xp, xp.arange(p.nq), xp.arange(p.nk), p), S, NEG_INF)
+    slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
+    S, _ = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes)  # (..., Hk, G, Nq, Nk)
     m = _row_max(xp, S)
-    m_safe = xp.where(xp.isfinite(m), m, 0.0)  # a row with no key: keep exp() at 0, not NaN
+    sink = None if sinks is None else _per_head(sinks, p)
+    if sink is not None:
+        m = xp.maximum(m, sink)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)  # a row with no key (and no sink): keep exp() at 0, not NaN
     E = xp.exp(S - m_safe)
     l = E.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + xp.exp(sink - m_safe)
     P = E / xp.where(l > 0, l, 1.0)
     O = P @ V
     lse = xp.where(l > 0, m + xp.log(xp.where(l > 0, l, 1.0)), NEG_INF)
     return O.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None) -> Any:
+def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **variant: Any) -> Any:
     """Output only; see ``attention_forward``."""
-    return attention_forward(q, k, v, causal, scale)[0]
+    return attention_forward(q, k, v, causal, scale, **variant)[0]
 
 
-def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem) -> tuple[Any, Any, Any]:
+def _dsinks(xp: Any, L: Any, Delta: Any, sinks: Any, p: AttentionProblem) -> Any:
+    """d loss / d sink_h = -sum over batch and rows of P_sink * Delta, P_sink = exp(sink_h - lse)."""
+    P_sink = xp.where(xp.isfinite(L), xp.exp(_per_head(sinks, p) - xp.where(xp.isfinite(L), L, 0.0)), 0.0)
+    d = -(P_sink * Delta).sum(axis=(-1, -2))  # (*batch, Hk, G)
+    return d.reshape(-1, p.hq).sum(axis=0)
+
+
+def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, alibi_slopes: Any,
+              sinks: Any) -> tuple[Any, ...]:  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     L = lse.astype(np.float64).reshape(*p.batch, p.hk, p.group, p.nq, 1)
-    S = p.scale * (Q @ _t(K))
-    P = _probabilities(xp, S, L, _visible(xp, xp.arange(p.nq), xp.arange(p.nk), p))
+    slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
+    S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes)
+    P = _probabilities(xp, S, L, xp.isfinite(S))
     dV = P.swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
     dP = dO @ _t(V)
-    Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) when o is exact
-    dS = P * (dP - Delta)
+    Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) (+ the sink's share) when o is exact
+    dS = P * (dP - Delta) * p.variant.dscore(xp, raw)
     dQ = p.scale * (dS @ K)
     dK = p.scale * (_t(dS) @ Q)
-    return dQ.reshape(q.shape), _kv_heads(dK, p), _kv_heads(dV, p)
+    grads = (dQ.reshape(q.shape), _kv_heads(dK, p), _kv_heads(dV, p))
+    return grads if sinks is None else (*grads, _dsinks(xp, L, Delta, sinks, p))
 
 
 def attention_backward(
-    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None
-) -> tuple[Any, Any, Any]:
-    """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse.
+    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None, *,
+    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
+    """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, and dsinks (float64,
+    (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks).
 
     Delta = rowsum(dO * O) uses the given o, as the kernels do. dk and dv have k's and v's
     shapes: under GQA each sums over its group's query heads.
     """
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True)
-    return _backward(do, q, k, v, o, lse, p)
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks)
 
 
 def attention_vjp(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None
-) -> tuple[Any, Callable[[Any], tuple[Any, Any, Any]]]:
-    """o (float64) and vjp(do) -> (dq, dk, dv); do has q's shape and dtype (or float64)."""
-    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True)
-    o, lse = attention_forward(q, k, v, p.causal, p.scale)
+    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **variant: Any
+) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+    """o (float64) and vjp(do) -> (dq, dk, dv[, dsinks]); do has q's shape and dtype (or float64)."""
+    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True, **variant)
+    o, lse = attention_forward(q, k, v, causal, p.scale, **variant)
 
-    def vjp(do: Any) -> tuple[Any, Any, Any]:
+    def vjp(do: Any) -> tuple[Any, ...]:
         array_kind("do", do)
         if do.shape != q.shape:
             raise ValueError(f"do must have q's shape {q.shape}; got {do.shape}")
         if np.dtype(do.dtype) not in (p.dtype, np.dtype(np.float64)):
             raise TypeError(f"do.dtype must equal q.dtype ({p.dtype}) or be float64; got {do.dtype}")
-        return _backward(do, q, k, v, o, lse, p)
+        return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"))
 
     return o, vjp
 
@@ -161,24 +205,29 @@ def _check_blocks(block_q: int, block_k: int) -> None:
             raise ValueError(f"{name} must be a positive int; got {b!r}")
 
 
-def _tile_skipped(p: AttentionProblem, i1: int, j0: int) -> bool:
-    """True when every key of the tile starting at j0 lies above the causal diagonal for
-    every query before i1 (the last query of the tile, i1 - 1, sees the most keys)."""
-    return p.causal and j0 > (i1 - 1) + (p.nk - p.nq)
+def _tile_skipped(p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> bool:
+    """True when no query of [i0, i1) sees any key of [j0, j1) (the kernels skip such tiles too)."""
+    k0, k1 = p.variant.keys_of(i0, i1, p.nq, p.nk)
+    return j1 <= k0 or j0 >= k1
 
 
 def tiled_attention_forward(
-    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64
-) -> tuple[Any, Any]:
+    q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
+    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
     For each Q_i the keys stream past once; a running row max m and row sum l let O_i be
-    rescaled instead of recomputed, and lse = m + log l is written once at the end.
+    rescaled instead of recomputed, and lse = m + log l is written once at the end. A sink starts
+    m at its logit and l at 1.
     """
     _check_blocks(block_q, block_k)
-    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True)
+    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
+    slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
+    sink = None if sinks is None else _per_head(sinks, p)
     O = xp.zeros(Q.shape)
     lse = xp.full(Q.shape[:-1] + (1,), NEG_INF)
     for i0 in range(0, p.nq, block_q):
@@ -186,13 +235,15 @@ def tiled_attention_forward(
         Q_i = Q[..., i0:i1, :]
         m = xp.full(Q_i.shape[:-1] + (1,), NEG_INF)
         l = xp.zeros(Q_i.shape[:-1] + (1,))
+        if sink is not None:
+            m = m + 0.0 + sink  # broadcast: every row starts at its head's sink, with exp(0) = 1 in l
+            l = l + 1.0
         acc = xp.zeros(Q_i.shape)
         for j0 in range(0, p.nk, block_k):
-            if _tile_skipped(p, i1, j0):
-                break  # later tiles lie further right: all skipped too
             j1 = min(j0 + block_k, p.nk)
-            S_ij = p.scale * (Q_i @ _t(K[..., j0:j1, :]))
-            S_ij = xp.where(_visible(xp, xp.arange(i0, i1), xp.arange(j0, j1), p), S_ij, NEG_INF)
+            if _tile_skipped(p, i0, i1, j0, j1):
+                continue
+            S_ij, _ = _scores(xp, Q_i, K[..., j0:j1, :], p, xp.arange(i0, i1), xp.arange(j0, j1), slopes)
             m_new = xp.maximum(m, _row_max(xp, S_ij))
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)  # row saw no key yet
             P_ij = xp.exp(S_ij - m_safe)
@@ -207,25 +258,20 @@ def tiled_attention_forward(
 
 
 def tiled_attention_backward(
-    do: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    o: Any,
-    lse: Any,
-    causal: bool = False,
-    scale: float | None = None,
-    block_q: int = 64,
-    block_k: int = 64,
-) -> tuple[Any, Any, Any]:
+    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None,
+    block_q: int = 64, block_k: int = 64,
+    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
     accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ."""
     _check_blocks(block_q, block_k)
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True)
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     L = lse.astype(np.float64).reshape(*p.batch, p.hk, p.group, p.nq, 1)
+    slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
     Delta = (dO * O).sum(axis=-1, keepdims=True)
     dQ = xp.zeros(Q.shape)
     dK = xp.zeros(K.shape)
@@ -237,19 +283,20 @@ def tiled_attention_backward(
         dV_j = xp.zeros(V_j.shape)
         for i0 in range(0, p.nq, block_q):
             i1 = min(i0 + block_q, p.nq)
-            if _tile_skipped(p, i1, j0):
+            if _tile_skipped(p, i0, i1, j0, j1):
                 continue  # these queries see none of K_j; later Q_i may
             Q_i, dO_i = Q[..., i0:i1, :], dO[..., i0:i1, :]
-            S_ij = p.scale * (Q_i @ _t(K_j))
-            P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], _visible(xp, xp.arange(i0, i1), xp.arange(j0, j1), p))
+            S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes)
+            P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], xp.isfinite(S_ij))
             dV_j += (_t(P_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: the group shares V_j
             dP_ij = dO_i @ _t(V_j)
-            dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :])
+            dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :]) * p.variant.dscore(xp, raw)
             dQ[..., i0:i1, :] += p.scale * (dS_ij @ K_j)
             dK_j += p.scale * (_t(dS_ij) @ Q_i).sum(axis=-3, keepdims=True)
         dK[..., j0:j1, :] = dK_j
         dV[..., j0:j1, :] = dV_j
-    return dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape)
+    grads = (dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape))
+    return grads if sinks is None else (*grads, _dsinks(xp, L, Delta, sinks, p))
 
 
 # The linear-attention reference lives in its own module; it is part of this namespace too.

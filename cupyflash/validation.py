@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
+from .variants import Variant, check_finite_nonneg
 
 MAX_HEAD_DIM = 256
 
@@ -27,9 +28,13 @@ class AttentionProblem:
     nk: int
     d: int
     dtype: np.dtype
-    causal: bool
+    variant: Variant  # mask and score rule: the C++ policy, the reference's rule, grid order
     scale: float
     xp: str  # "numpy" or "cupy"
+
+    @property
+    def causal(self) -> bool:
+        return self.variant.causal
 
     @property
     def group(self) -> int:
@@ -72,10 +77,61 @@ def _check_dtype(name: str, x: Any, want: np.dtype | None = None, allow_float64:
     return dt
 
 
+def _check_window(window_size: Any) -> tuple[int, int] | None:
+    if window_size is None:
+        return None
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints (-1: unbounded); got {window_size!r}")
+    out = []
+    for side, w in zip(("left", "right"), window_size):
+        if w is None:
+            w = -1
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size {side} must be an int (-1: unbounded); got {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded); got {w}")
+        out.append(int(w))
+    return out[0], out[1]
+
+
+def _check_head_vector(name: str, x: Any, xp: str, batch: tuple[int, ...], hq: int, batched: bool) -> None:
+    """A float32 per-head array: (Hq,) or, when ``batched``, (*batch, Hq); contiguous; q's array library."""
+    kind = array_kind(name, x)
+    if kind != xp:
+        raise TypeError(f"{name} must be a {xp} array like q (no implicit copies); got a {kind} array")
+    if np.dtype(x.dtype) != _dtypes.FLOAT32:
+        raise TypeError(f"{name}.dtype must be float32; got {x.dtype}")
+    shapes = [(hq,)] + ([(*batch, hq)] if batched and batch else [])
+    if tuple(x.shape) not in shapes:
+        want = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {want} (Hq = {hq}); got {tuple(x.shape)}")
+    if x.size and x.strides[-1] != x.itemsize or (x.ndim > 1 and not _c_contiguous(x)):
+        raise ValueError(f"{name} must be contiguous; got strides {x.strides}")
+
+
+def _c_contiguous(x: Any) -> bool:
+    step = x.itemsize
+    for n, st in zip(reversed(x.shape), reversed(x.strides)):
+        if n > 1 and st != step:
+            return False
+        step *= n
+    return True
+
+
 def check_attention(
-    q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None, allow_float64: bool = False
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window_size: Any = None,
+    softcap: Any = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    allow_float64: bool = False,
 ) -> AttentionProblem:
-    """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D) and describe the problem.
+    """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D) and the variant keywords; describe the problem.
 
     ``allow_float64`` is for the NumPy reference, which also takes float64 inputs.
     """
@@ -109,7 +165,14 @@ def check_attention(
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite; got {scale}")
-    return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, bool(causal), float(scale), xp)
+    window = _check_window(window_size)
+    cap = check_finite_nonneg("softcap", softcap)
+    if alibi_slopes is not None:
+        _check_head_vector("alibi_slopes", alibi_slopes, xp, tuple(batch), hq, batched=True)
+    if sinks is not None:
+        _check_head_vector("sinks", sinks, xp, tuple(batch), hq, batched=False)
+    variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None)
+    return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, variant, float(scale), xp)
 
 
 def check_backward(
@@ -123,13 +186,14 @@ def check_backward(
     causal: bool = False,
     scale: float | None = None,
     allow_float64: bool = False,
+    **variant: Any,
 ) -> AttentionProblem:
     """Check the forward's arguments plus dO, O (q's shape and dtype) and lse (float32, q's shape minus D).
 
     With ``allow_float64`` (the reference) lse may be float32 or float64.
     """
     common_kind(do=do, q=q, k=k, v=v, o=o, lse=lse)
-    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=allow_float64)
+    p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=allow_float64, **variant)
     for name, x in (("do", do), ("o", o)):
         if not (allow_float64 and np.dtype(x.dtype) == np.float64):  # the reference takes exact o, dO
             _check_dtype(name, x, p.dtype)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the GPU skip, random inputs, and the accuracy bounds of DESIGN.md §4."""
+"""Shared fixtures: the GPU skip, random inputs, and the accuracy bounds (ARCHITECTURE.md, "What correct means")."""
 from __future__ import annotations
 
 import zlib
@@ -28,7 +28,7 @@ requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=f"GPU test: {GPU_REASON}")
 
 DTYPES = {"float32": _dtypes.FLOAT32, "float16": _dtypes.FLOAT16, "bfloat16": _dtypes.BFLOAT16}
 
-# Relative-error bounds (DESIGN.md §4): float32 kernels against the float64 reference; the
+# Relative-error bounds (ARCHITECTURE.md, "What correct means"): float32 kernels against the float64 reference; the
 # 16-bit bounds are the fixed ones used where torch is absent.
 TOL_OUT = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 TOL_GRAD = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}

@@ -1,11 +1,14 @@
 """NVRTC compiles every kernel instantiation for each target architecture with no spills.
 
-Needs no GPU: NVRTC and the CUDA headers come from the pip CUDA packages
-(``cupy-cuda13x[ctk]``). The compiles run in a process pool once per session.
+Needs no GPU: NVRTC and the CUDA headers come from the pip CUDA packages. The compiles run once per
+session in a process pool, several instantiations of one source per NVRTC program (the C++ front end
+runs once per program), with a progress line per program on stderr so a long run does not look hung.
 """
 from __future__ import annotations
 
 import os
+import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -28,35 +31,73 @@ ARCHS = {
     "wgmma": ("sm_90a",),  # Hopper-only instructions
 }
 
+#: Instantiations allowed a small spill, with why. Keys: (name prefix, arch or "*"); values: the most spill
+#: bytes (stores and loads each) and stack bytes allowed. Anything else must be spill-free.
+SPILL_ALLOWANCE: dict[tuple[str, str], int] = {}
+
+#: Instantiations per NVRTC program: large enough to share the front end, small enough to spread over cores.
+CHUNK = 6
+
+
+#: Architectures that build only the plain policies (no window, no score mod): the variant policies are
+#: the same code paths, built for sm_80 and sm_90a above.
+PLAIN_ONLY = ("sm_86", "sm_89")
+
 
 def all_jobs() -> list[tuple[str, str, str, str]]:
     from cupyflash.kernels import linear, mma, portable, wgmma
+    from cupyflash.variants import BUILTIN, PLAIN
 
+    variant_policies = {v.cpp_policy for v in BUILTIN} - {v.cpp_policy for v in PLAIN}
     jobs = []
     for fam in (portable, mma, linear, wgmma):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
+                if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
+                    continue
                 jobs.append((name, source, expr, arch))
     return jobs
 
 
-def _compile(job):
-    from cupyflash.kernels.build import CompileError, nvrtc_compile
+def _programs(jobs: list[tuple[str, str, str, str]]) -> list[list[tuple[str, str, str, str]]]:
+    by_key: dict[tuple[str, str], list] = {}
+    for job in jobs:
+        by_key.setdefault((job[1], job[3]), []).append(job)
+    out = []
+    for group in by_key.values():
+        out += [group[i : i + CHUNK] for i in range(0, len(group), CHUNK)]
+    return out
 
-    _, source, expr, arch = job
+
+def _compile(program):
+    from cupyflash.kernels.build import CompileError, nvrtc_compile_many
+
+    _, source, _, arch = program[0]
     try:
-        return nvrtc_compile(source, expr, arch)
+        return nvrtc_compile_many(source, [job[2] for job in program], arch)
     except CompileError as e:
-        return str(e)
+        return [str(e)] * len(program)
 
 
 @pytest.fixture(scope="session")
 def compiled() -> dict:
-    jobs = all_jobs()
+    programs = _programs(all_jobs())
+    out: dict = {}
+    start = time.time()
     with ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(_compile, jobs, chunksize=1))
-    return dict(zip(jobs, results))
+        for i, (program, results) in enumerate(zip(programs, pool.map(_compile, programs)), 1):
+            out.update(zip(program, results))
+            print(f"\r[test_compile] {i}/{len(programs)} NVRTC programs, {time.time() - start:.0f} s",
+                  end="" if i < len(programs) else "\n", file=sys.__stderr__, flush=True)  # fmt: skip
+    return out
+
+
+def allowance(name: str, arch: str) -> int:
+    for (prefix, a), nbytes in SPILL_ALLOWANCE.items():
+        if name.startswith(prefix) and a in ("*", arch):
+            return nbytes
+    return 0
 
 
 def test_every_family_has_instantiations():
@@ -69,6 +110,7 @@ def test_compiles_without_spills(job, compiled):
     usage = compiled[job]
     assert not isinstance(usage, str), usage
     print(usage.line())
-    assert not usage.spills, usage.line()
-    assert usage.stack_frame == 0, usage.line()
+    allowed = allowance(job[2], job[3])
+    assert usage.spill_stores <= allowed and usage.spill_loads <= allowed, usage.line()
+    assert usage.stack_frame <= allowed, usage.line()
     assert 0 < usage.registers <= 255, usage.line()

@@ -1,9 +1,10 @@
-"""Every launcher passes exactly the arguments its kernel declares, checked without a GPU.
+"""The kernel ABI, checked without a GPU.
 
-The launchers run against stand-ins (NumPy arrays for device arrays, a recorder for the
-compiled function, H100 limits); each recorded launch is compared with the parameter list
-that NVRTC's PTX gives for the instantiation: same count, and 8-byte pointers and int64s
-where the kernel has 8-byte parameters, 4-byte scalars where it has 4-byte ones.
+- ``AttentionParams``: NVRTC compiles the C++ struct and reports its size and every field offset; they
+  must equal the NumPy layout in ``cupyflash/kernels/params.py`` that the launchers fill.
+- Every attention kernel takes exactly one parameter of that size (read from NVRTC's PTX).
+- Every launch a family plans names an instantiation the family lists (so CI compiled it).
+- The linear-attention launchers pass what their kernels declare (positional arguments).
 """
 from __future__ import annotations
 
@@ -30,64 +31,89 @@ def _empty(shape, dtype=None):
     return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype).view(_DeviceArray)
 
 
+def _ptx(source: str, names: list[str], arch: str | None = None) -> str:
+    from cupy.cuda import nvrtc
+
+    from cupyflash.kernels.build import ARCH_SPECIFIC, compile_options, read_source
+
+    arch = arch or ARCH_SPECIFIC.get(source, "sm_80").replace("sm_", "compute_")
+    code = read_source(source) if source.endswith((".cu", ".cuh")) and "\n" not in source else source
+    prog = nvrtc.createProgram(code, "probe.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}"])
+        ptx = nvrtc.getPTX(prog)
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return ptx if not names else (ptx, lowered)
+
+
+def test_params_layout_matches_cpp():
+    from cupyflash.kernels.params import PARAMS, field_offsets
+
+    offsets = field_offsets()
+    members = list(offsets)
+    exprs = ["sizeof(cupyflash::AttentionParams)"] + [
+        f"__builtin_offsetof(cupyflash::AttentionParams, {m})" for m in members
+    ]
+    probe = (
+        '#include "attention_params.cuh"\n'
+        "extern \"C\" __device__ unsigned long long cupyflash_layout[] = {\n  "
+        + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs)
+        + "\n};\n"
+    )
+    ptx = _ptx(probe, [], "compute_80")
+    m = re.search(r"\.(b8|u64) cupyflash_layout\[\d+\] = \{([^}]*)\}", ptx)
+    assert m, "the layout probe was not emitted"
+    raw = [int(x) for x in m.group(2).split(",")]
+    if m.group(1) == "b8":  # emitted as little-endian bytes
+        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
+    values = raw
+    assert values[0] == PARAMS.itemsize, f"sizeof(AttentionParams) = {values[0]}, Python has {PARAMS.itemsize}"
+    for name, got in zip(members, values[1:]):
+        assert got == offsets[name], f"offset of {name}: C++ {got}, Python {offsets[name]}"
+
+
+def _all_attention_instantiations():
+    from cupyflash.kernels import mma, portable, wgmma
+
+    by_source: dict[str, list[str]] = {}
+    for fam in (portable, mma, wgmma):
+        for source, name in fam.instantiations():
+            by_source.setdefault(source, []).append(name)
+    return by_source
+
+
+@pytest.mark.parametrize("source", sorted(_all_attention_instantiations()))
+def test_every_attention_kernel_takes_one_params_struct(source):
+    from cupyflash.kernels.params import PARAMS
+
+    names = _all_attention_instantiations()[source][:6]  # the parameter list is the same for every instantiation
+    ptx, lowered = _ptx(source, names)
+    for name in names:
+        head = ptx[ptx.index(f".entry {lowered[name]}(") :]
+        head = head[: head.index(")")]
+        params = re.findall(r"\.param \.align (\d+) \.b8 \w+\[(\d+)\]|\.param \.\w+ \w+", head)
+        assert len(params) == 1 and int(params[0][1]) == PARAMS.itemsize, f"{name}: {head}"
+
+
 @pytest.fixture
-def launches(monkeypatch):
+def planned(monkeypatch):
+    """Launches recorded instead of run, on H100 limits, with host stand-ins for device arrays."""
     import cupy
 
     from cupyflash import plans
     from cupyflash.kernels import build
 
     seen = []
-
-    class Recorder:
-        max_dynamic_shared_size_bytes = 0
-        preferred_shared_memory_carveout = 0
-
-        def __init__(self, source, name):
-            self.source, self.name = source, name
-
-        def __call__(self, grid, block, args, shared_mem=0):
-            seen.append((self.source, self.name, args))
-
-    monkeypatch.setattr(build, "get_function", lambda source, name: Recorder(source, name))
+    monkeypatch.setattr(build, "launch_params", lambda plan, params: seen.append((plan, bytes(params))))
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
     monkeypatch.setattr(cupy, "zeros", _empty)
     return seen
-
-
-def _ptx_param_sizes(source: str, name: str) -> list[int]:
-    from cupy.cuda import nvrtc
-
-    from cupyflash.kernels.build import ARCH_SPECIFIC, compile_options, read_source
-
-    arch = ARCH_SPECIFIC.get(source, "sm_80").replace("sm_", "compute_")
-    prog = nvrtc.createProgram(read_source(source), source, [], [])
-    try:
-        nvrtc.addNameExpression(prog, name)
-        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}"])
-        lowered = nvrtc.getLoweredName(prog, name)
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    head = ptx[ptx.index(f".entry {lowered}(") :]
-    head = head[: head.index(")")]
-    return [int(m.group(1)) // 8 for m in re.finditer(r"\.param \.[a-z]+?(\d+) ", head)]
-
-
-def _arg_size(a) -> int:
-    if isinstance(a, np.ndarray):
-        return 8  # a device pointer
-    return np.dtype(type(a)).itemsize
-
-
-def _check(seen):
-    assert seen, "nothing was launched"
-    for source, name, args in seen:
-        want = _ptx_param_sizes(source, name)
-        got = [_arg_size(a) for a in args]
-        assert got == want, f"{name}: launcher passes sizes {got}, kernel declares {want}"
 
 
 def _problem(dtype, causal=True):
@@ -96,65 +122,69 @@ def _problem(dtype, causal=True):
     q = _empty((2, 4, 33, 64), dtype)
     k = _empty((2, 2, 40, 64), dtype)
     v = _empty((2, 2, 40, 64), dtype)
-    q[...] = k[..., :1, :1] = v[..., :1, :1] = 1.0
     return q, k, v, check_attention(q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("strategy", ["atomic", "separate"])
-def test_portable_launches_match_kernels(launches, dtype, strategy):
-    from cupyflash.kernels import portable
-
-    q, k, v, p = _problem(np.dtype(dtype))
-    o, lse = _empty(q.shape, q.dtype), _empty(q.shape[:-1], np.float32)
-    portable.forward(q, k, v, o, lse, p)
-    portable.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype),
-                      _empty(v.shape, v.dtype), p, dq_strategy=strategy)  # fmt: skip
-    _check(launches)
-
-
+@pytest.mark.parametrize("family_name, dtype", [("portable", "float32"), ("portable", "float16"), ("mma", "float16"),
+                                                ("wgmma", "bfloat16")])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
-def test_mma_launches_match_kernels(launches, causal):
-    from cupyflash.kernels import mma
+def test_planned_launches_are_listed_instantiations(planned, family_name, dtype, causal):
+    import struct
 
-    q, k, v, p = _problem(np.dtype(np.float16), causal)
+    from cupyflash import _dtypes
+    from cupyflash.kernels import dispatch
+    from cupyflash.kernels.params import PARAMS
+
+    dt = _dtypes.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    fam = dispatch.families()[family_name]
+    q, k, v, p = _problem(dt, causal)
     o, lse = _empty(q.shape, q.dtype), _empty(q.shape[:-1], np.float32)
-    mma.forward(q, k, v, o, lse, p)
-    mma.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
-    names = [name for _, name, _ in launches]
-    assert any(n.startswith("mma_flash_fwd") for n in names) and any(n.startswith("mma_flash_bwd") for n in names)
-    _check(launches)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_wgmma_launches_match_kernels(launches, causal):
-    from cupyflash.kernels import wgmma
-
-    q, k, v, p = _problem(np.dtype(np.float16), causal)
-    o, lse = _empty(q.shape, q.dtype), _empty(q.shape[:-1], np.float32)
-    wgmma.forward(q, k, v, o, lse, p)
-    wgmma.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
-    assert [name for _, name, _ in launches] == [
-        "wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>",
-        "mma_bwd_delta<__half>",
-        "wgmma_flash_bwd<__half, 64, 128, 2, 2>",
-        "mma_bwd_dq_convert<__half>",
-    ]
-    _check(launches)
+    fam.forward(q, k, v, o, lse, p)
+    fam.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
+    listed = set(fam.instantiations()) | set(dispatch.families()["mma"].instantiations())
+    assert planned
+    for plan, params in planned:
+        assert (plan.source, plan.name) in listed, plan.name
+        assert len(params) == PARAMS.itemsize
+        assert p.variant.cpp_policy in plan.name or "<" + plan.name.split("<")[1].split(",")[0] in plan.name
+        record = np.frombuffer(params, PARAMS)[0]
+        assert record["q"] == q.ctypes.data and record["nq"] == 33 and record["nk"] == 40
+        assert record["hq"] == 4 and record["hk"] == 2 and record["group"] == 2 and record["d"] == 64
+        assert np.isclose(record["scale"], 1 / 8)
+    # Names are per variant: causal and non-causal calls never share a main kernel.
+    mains = [plan.name for plan, _ in planned if "Policy" in plan.name]
+    assert all(("Causal" in n) == causal for n in mains)
+    del struct
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16 reaches the fused tensor-core walk
 @pytest.mark.parametrize("path", ["chunked", "masked"])
-def test_linear_launches_match_kernels(launches, monkeypatch, path, dtype):
+def test_linear_launches_match_kernels(monkeypatch, path, dtype):
     import cupy
     import cupy.lib.stride_tricks
 
-    from cupyflash.kernels import linear
+    from cupyflash import plans
+    from cupyflash.kernels import build, linear
     from cupyflash.linear_api import check_linear
+
+    seen = []
+
+    class Recorder:
+        max_dynamic_shared_size_bytes = 0
+
+        def __init__(self, source, name):
+            self.source, self.name = source, name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            seen.append((self.source, self.name, args))
 
     def as_device(x):
         return np.asarray(x).view(_DeviceArray)
 
+    monkeypatch.setattr(build, "get_function", lambda source, name: Recorder(source, name))
+    monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
+    monkeypatch.setattr(cupy, "empty", _empty)
+    monkeypatch.setattr(cupy, "zeros", _empty)
     monkeypatch.setattr(cupy, "ascontiguousarray", lambda x, dtype=None: as_device(np.ascontiguousarray(x, dtype)))
     monkeypatch.setattr(cupy, "broadcast_to", lambda x, shape: as_device(np.broadcast_to(x, shape)))
     monkeypatch.setattr(cupy.lib.stride_tricks, "as_strided",
@@ -168,7 +198,16 @@ def test_linear_launches_match_kernels(launches, monkeypatch, path, dtype):
     p = check_linear(q, k, v, causal=True, mask=mask, decay=decay)
     linear.forward(q, k, v, mask, decay, p, path=path)
     linear.backward(q, q, k, v, mask, decay, p, mask_grad=mask is not None, path=path)
-    names = [name for _, name, _ in launches]
+    names = [name for _, name, _ in seen]
     if path == "chunked":
         assert any(n.startswith("linear_fused_walk") for n in names) == (dtype == "float16")
-    _check(launches)
+    assert seen, "nothing was launched"
+    for source, name, args in seen:
+        from cupyflash.kernels.build import ARCH_SPECIFIC  # noqa: F401
+
+        ptx, lowered = _ptx(source, [name])
+        head = ptx[ptx.index(f".entry {lowered[name]}(") :]
+        head = head[: head.index(")")]
+        want = [int(m.group(1)) // 8 for m in re.finditer(r"\.param \.[a-z]+?(\d+) ", head)]
+        got = [8 if isinstance(a, np.ndarray) else np.dtype(type(a)).itemsize for a in args]
+        assert got == want, f"{name}: launcher passes sizes {got}, kernel declares {want}"

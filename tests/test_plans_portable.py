@@ -10,6 +10,9 @@ from conftest import DTYPES, TOL_GRAD, TOL_OUT, random_qkv, rel_err, requires_gp
 from cupyflash import _dtypes
 from cupyflash.plans import A100, H100, RTX4090, T4, DeviceLimits, cdiv
 from cupyflash.plans import portable as pp
+from cupyflash.variants import Variant
+
+POL = Variant().cpp_policy
 
 DEVICES = {"A100": A100, "H100": H100, "RTX4090": RTX4090, "T4": T4}
 SHAPES = [
@@ -43,7 +46,7 @@ def test_forward_plan(dev, shape):
     plan = pp.forward_plan(shape, limits)
     lp = plan.launch
     assert plan.d_pad >= shape.d and plan.d_pad in pp.D_PADS
-    assert lp.grid == (cdiv(shape.nq, plan.tile.rows), shape.hq, shape.b)
+    assert lp.grid == (cdiv(shape.nq, plan.tile.rows), shape.b * shape.hq, 1)
     assert lp.grid[0] * plan.tile.rows >= shape.nq > (lp.grid[0] - 1) * plan.tile.rows  # every row, no idle block
     assert lp.block == (plan.tile.threads, 1, 1) and plan.tile.threads % 32 == 0
     assert 0 < lp.shared_bytes <= limits.max_shared_per_block
@@ -68,10 +71,10 @@ def test_backward_plan(dev, shape, strategy):
     # dK/dV: every key row of every kv head.
     kv = plan.kv
     bc = int(kv.name.split(",")[2])
-    assert kv.grid == (cdiv(shape.nk, bc), shape.hk, shape.b)
+    assert kv.grid == (cdiv(shape.nk, bc), shape.b * shape.hk, 1)
     if strategy == "separate":
         br = int(plan.dq.name.split(",")[2])
-        assert plan.dq.grid == (cdiv(shape.nq, br), shape.hq, shape.b)
+        assert plan.dq.grid == (cdiv(shape.nq, br), shape.b * shape.hq, 1)
         assert "portable_bwd_dq<" in plan.dq.name
     else:
         assert "convert" in plan.dq.name and plan.dq.grid[0] >= 1
@@ -125,21 +128,22 @@ def test_instantiations_unique_and_cover_dtypes():
 def test_kernels_module_interface():
     from cupyflash.kernels import portable
     from cupyflash.validation import AttentionProblem
+    from cupyflash.variants import Variant
 
     assert portable.NAME == "portable"
     assert portable.instantiations() == pp.instantiations()
-    p = AttentionProblem((2,), 4, 2, 10, 10, 256, _dtypes.BFLOAT16, True, 0.1, "cupy")
-    assert portable.supports(p, T4)
-    assert not portable.supports(p, DeviceLimits(52, 10, 48 * 1024))
+    p = AttentionProblem((2,), 4, 2, 10, 10, 256, _dtypes.BFLOAT16, Variant(True), 0.1, "cupy")
+    assert portable.supports(p, T4) is None
+    assert "sm_60" in portable.supports(p, DeviceLimits(52, 10, 48 * 1024))
 
 
 # A few instantiations compiled by NVRTC for real architectures (no GPU needed): the
 # biggest register tiles of each kernel must not spill. The exhaustive check is test_compile.
 COMPILE_CASES = [
-    (pp.FORWARD_SOURCE, pp.fwd_name("float", 128, pp.FORWARD_TILES[128][0]), "sm_80"),
-    (pp.FORWARD_SOURCE, pp.fwd_name("__nv_bfloat16", 256, pp.FORWARD_TILES[256][0]), "sm_90a"),
-    (pp.BACKWARD_SOURCE, pp.kv_name("float", 128, pp.KV_TILES[128][0]), "sm_90a"),
-    (pp.BACKWARD_SOURCE, pp.dq_name("__half", 64, pp.DQ_TILES[64][0]), "sm_75"),
+    (pp.FORWARD_SOURCE, pp.fwd_name("float", 128, pp.FORWARD_TILES[128][0], POL), "sm_80"),
+    (pp.FORWARD_SOURCE, pp.fwd_name("__nv_bfloat16", 256, pp.FORWARD_TILES[256][0], POL), "sm_90a"),
+    (pp.BACKWARD_SOURCE, pp.kv_name("float", 128, pp.KV_TILES[128][0], POL), "sm_90a"),
+    (pp.BACKWARD_SOURCE, pp.dq_name("__half", 64, pp.DQ_TILES[64][0], POL), "sm_75"),
 ]
 
 
@@ -157,23 +161,20 @@ def test_compiles_without_spills(source, name, arch):
 
 
 def test_vec_check_on_host():
-    from cupyflash.kernels.portable import _vec_ok
+    from cupyflash.kernels.family import Geometry
+    from cupyflash.kernels.portable import _vec
+    from cupyflash.validation import AttentionProblem
 
-    class Fake:
-        def __init__(self, ptr, shape, strides, itemsize=4):
-            self.data = type("D", (), {"ptr": ptr})()
-            self.shape, self.strides, self.itemsize = shape, strides, itemsize
+    def prob(d, dtype=_dtypes.FLOAT32):
+        return AttentionProblem((2,), 4, 4, 10, 10, d, dtype, Variant(), 0.1, "cupy")
 
-    ok = Fake(256, (2, 4, 10, 64), (4 * 10 * 64 * 4, 10 * 64 * 4, 64 * 4, 4))
-    assert _vec_ok(64, ok)
-    assert not _vec_ok(62, ok)  # D not a multiple of 4 floats
-    assert not _vec_ok(64, Fake(260, ok.shape, ok.strides))  # misaligned base
-    odd_n = Fake(256, (2, 4, 10, 64), (4 * 10 * 66 * 4, 10 * 66 * 4, 66 * 4, 4))
-    assert not _vec_ok(64, odd_n)  # row stride of 66 floats
-    one_b = Fake(256, (1, 4, 10, 64), (4, 10 * 64 * 4, 64 * 4, 4))
-    assert _vec_ok(64, one_b)  # a size-1 axis's stride never matters
-    half = Fake(256, (1, 1, 10, 8), (160, 160, 16, 2), itemsize=2)
-    assert _vec_ok(8, half) and not _vec_ok(4, half)
+    def geo(aligned):
+        return Geometry(2, {}, ({},), aligned)
+
+    assert _vec(prob(64), geo(True))
+    assert not _vec(prob(62), geo(True))  # D not a multiple of 4 floats
+    assert not _vec(prob(64), geo(False))  # some row not 16-byte aligned
+    assert _vec(prob(8, _dtypes.FLOAT16), geo(True)) and not _vec(prob(4, _dtypes.FLOAT16), geo(True))
 
 
 # ---------------------------------------------------------------------------- on a GPU

@@ -11,10 +11,13 @@ from cupyflash.plans import A100, H100, RTX4090, DeviceLimits, cdiv
 from cupyflash.plans import mma as mma_plans
 from cupyflash.plans import wgmma as plans
 from cupyflash.validation import AttentionProblem
+from cupyflash.variants import Variant
+
+POL = Variant().cpp_policy
 
 
 def problem(d=64, dtype=_dtypes.FLOAT16, hq=8, hk=2, nq=1000, nk=777, causal=False) -> AttentionProblem:
-    return AttentionProblem((2,), hq, hk, nq, nk, d, np.dtype(dtype), causal, 1.0 / np.sqrt(d), "cupy")
+    return AttentionProblem((2,), hq, hk, nq, nk, d, np.dtype(dtype), Variant(causal), 1.0 / np.sqrt(d), "cupy")
 
 
 @pytest.mark.parametrize("d, want", [(1, None), (32, None), (33, 64), (64, 64), (72, 128), (96, 128), (128, 128),
@@ -31,27 +34,27 @@ def test_configs_fit_hopper_and_match_the_kernel_layout():
         assert cfg.shared_bytes == (cfg.br + 2 * cfg.stages * cfg.bc) * pd * 2 + 1024
         assert cfg.min_blocks * cfg.shared_bytes <= 228 * 1024  # an H100/H200 SM's shared memory
         assert plans.forward_config(pd, H100) == cfg
-    assert plans.FORWARD_CONFIGS[64].name("__half") == "wgmma_flash_fwd<__half, 64, 64, 2, 4, 2>"
+    assert plans.FORWARD_CONFIGS[64].name("__half", POL) == f"wgmma_flash_fwd<__half, 64, 64, 2, 4, 2, {POL}>"
 
 
 def test_only_compute_capability_9_0():
     for limits in (A100, RTX4090):
         assert plans.forward_config(64, limits) is None
-        assert not family.supports(problem(), limits)
+        assert family.supports(problem(), limits) is not None
     blackwell = DeviceLimits(compute_capability=100, sm_count=148, max_shared_per_block=227 * 1024)
-    assert not family.supports(problem(), blackwell)  # sm_90a code does not run there
+    assert family.supports(problem(), blackwell) is not None  # sm_90a code does not run there
 
 
 def test_supports():
-    assert family.supports(problem(), H100)
-    assert family.supports(problem(d=128, dtype=_dtypes.BFLOAT16), H100)
-    assert family.supports(problem(d=40), H100)
-    assert not family.supports(problem(d=32), H100)  # stays with mma: padding to 64 would double the work
-    assert not family.supports(problem(d=160), H100)
-    assert not family.supports(problem(d=44), H100)  # rows of D % 8 != 0 elements
-    assert not family.supports(problem(dtype=_dtypes.FLOAT32), H100)
+    assert family.supports(problem(), H100) is None
+    assert family.supports(problem(d=128, dtype=_dtypes.BFLOAT16), H100) is None
+    assert family.supports(problem(d=40), H100) is None
+    assert family.supports(problem(d=32), H100) is not None  # stays with mma: padding to 64 would double the work
+    assert family.supports(problem(d=160), H100) is not None
+    assert family.supports(problem(d=44), H100) is not None  # rows of D % 8 != 0 elements
+    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is not None
     small = DeviceLimits(compute_capability=90, sm_count=132, max_shared_per_block=200 * 1024)
-    assert not family.supports(problem(d=128), small)  # D = 128 needs 225 KB
+    assert family.supports(problem(d=128), small) is not None  # D = 128 needs 225 KB
 
 
 def test_dispatch_prefers_wgmma_on_hopper_only():
@@ -72,7 +75,7 @@ def test_backward_configs_fit_hopper_and_match_the_kernel_layout():
         tiles = 2 * cfg.bc * pd + 2 * cfg.stages * cfg.br * pd + cfg.bc * cfg.br
         assert cfg.shared_bytes == 2 * tiles + 8 * cfg.stages * cfg.br + 1024 <= 227 * 1024
         assert plans.backward_config(pd, H100) == cfg
-    assert plans.BACKWARD_CONFIGS[64].name("__half") == "wgmma_flash_bwd<__half, 64, 128, 2, 2>"
+    assert plans.BACKWARD_CONFIGS[64].name("__half", POL) == f"wgmma_flash_bwd<__half, 64, 128, 2, 2, {POL}>"
     for limits in (A100, RTX4090):
         assert plans.backward_config(64, limits) is None
     assert plans.backward_config(32, H100) is None and plans.backward_config(136, H100) is None
@@ -84,10 +87,10 @@ def test_plan_backward_wraps_the_mma_helpers():
     assert plan.config == cfg and plan.rows == 3 * 12 * 1000
     assert plan.main.grid == (cdiv(900, cfg.bc), 12, 1) and not plan.heads_on_x
     assert plan.main.block == (256, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.source == plans.BACKWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16")
+    assert plan.main.source == plans.BACKWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16", POL)
     ref = mma_plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100)
     assert (plan.delta, plan.convert) == (ref.delta, ref.convert)  # the mma family's helpers
-    causal = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100, causal=True)
+    causal = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100, variant=Variant(True))
     assert causal.main.grid == (12, cdiv(900, cfg.bc), 1) and causal.heads_on_x
     with pytest.raises(ValueError, match="no wgmma backward configuration"):
         plans.plan_backward(1, 1, 1, 10, 10, 64, "__half", A100)
@@ -99,11 +102,11 @@ def test_plan_forward_geometry():
     assert plan.config == cfg
     assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and not plan.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.source == plans.FORWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16")
-    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, causal=True)
+    assert plan.main.source == plans.FORWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16", POL)
+    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, variant=Variant(True))
     assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
     assert causal.heads_on_x == plans._heads_first(True, 36, H100.sm_count)
-    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, causal=True)  # 256 heads: one head's tiles together
+    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, variant=Variant(True))  # 256 heads: one head's tiles together
     assert not many.heads_on_x and many.main.grid == (cdiv(1024, cfg.br), 256, 1)
     with pytest.raises(ValueError, match="no wgmma forward configuration"):
         plans.plan_forward(1, 1, 10, 64, "__half", A100)
@@ -111,7 +114,10 @@ def test_plan_forward_geometry():
 
 def test_instantiations_cover_every_config_once():
     inst = family.instantiations()
-    assert len(inst) == len(set(inst)) == 2 * (len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS))
+    from cupyflash.variants import BUILTIN
+
+    n_configs = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS)
+    assert len(inst) == len(set(inst)) == 2 * len(BUILTIN) * n_configs  # dtypes x policies x configs
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
@@ -121,12 +127,12 @@ def test_instantiations_cover_every_config_once():
 def test_backward_grid_order_under_causal():
     """Heads fastest only while at most half an SM count of kv heads is in flight (plans.wgmma._heads_first)."""
     cfg = plans.BACKWARD_CONFIGS[64]
-    few = plans.plan_backward(2, 32, 32, 8192, 8192, 64, "__half", H100, causal=True)  # 64 kv heads
-    many = plans.plan_backward(4, 32, 32, 4096, 4096, 64, "__half", H100, causal=True)  # 128 kv heads
+    few = plans.plan_backward(2, 32, 32, 8192, 8192, 64, "__half", H100, variant=Variant(True))  # 64 kv heads
+    many = plans.plan_backward(4, 32, 32, 4096, 4096, 64, "__half", H100, variant=Variant(True))  # 128 kv heads
     assert few.heads_on_x and few.main.grid == (64, cdiv(8192, cfg.bc), 1)
     assert not many.heads_on_x and many.main.grid == (cdiv(4096, cfg.bc), 128, 1)
     assert not plans.plan_backward(2, 32, 32, 8192, 8192, 64, "__half", H100).heads_on_x  # non-causal
-    gqa = plans.plan_backward(4, 32, 8, 4096, 4096, 64, "__half", H100, causal=True)  # 32 kv heads
+    gqa = plans.plan_backward(4, 32, 8, 4096, 4096, 64, "__half", H100, variant=Variant(True))  # 32 kv heads
     assert gqa.heads_on_x
     huge = plans.plan_backward(70000, 1, 1, 64, 64, 64, "__half", H100)  # B*Hk past gridDim.y
     assert huge.heads_on_x and huge.main.grid[0] == 70000

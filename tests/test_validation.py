@@ -1,4 +1,4 @@
-"""Bad arguments (DESIGN.md §1) raise ValueError/TypeError naming the argument and what was
+"""Bad arguments (see cupyflash.attention_forward) raise ValueError/TypeError naming the argument and what was
 seen, from every entry point, before any computation starts."""
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def get_function(source: str, name: str):
     """
     import cupy
 
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.runtime.getDevice()
     key = (dev, source, name)
     fn = _functions.get(key)
     if fn is None:
@@ -89,14 +89,21 @@ def get_function(source: str, name: str):
     return fn
 
 
+_shared_limit: dict[int, int] = {}  # id(fn) -> the dynamic shared bytes it is allowed
+
+
 def set_shared_limit(fn, nbytes: int) -> None:
-    """Let ``fn`` use ``nbytes`` of dynamic shared memory (needed past 48 KB)."""
-    if nbytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < nbytes:
+    """Let ``fn`` use ``nbytes`` of dynamic shared memory (needed past 48 KB); the driver is asked once
+    per function and size, not per launch."""
+    if nbytes <= 48 * 1024 or _shared_limit.get(id(fn), 0) >= nbytes:
+        return
+    if fn.max_dynamic_shared_size_bytes < nbytes:
         fn.max_dynamic_shared_size_bytes = nbytes
+    _shared_limit[id(fn)] = nbytes
 
 
 def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, shared_bytes: int = 0) -> None:
-    """Launch on the current CuPy stream, raising the shared limit first when needed."""
+    """Launch with positional arguments on the current CuPy stream (the linear-attention kernels)."""
     set_shared_limit(fn, shared_bytes)
     fn(grid, block, args, shared_mem=shared_bytes)
 
@@ -104,6 +111,49 @@ def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tu
 def launch_plan(plan, args: tuple) -> None:
     """Launch one ``plans.LaunchPlan`` (its instantiation, grid, block and shared bytes)."""
     launch(get_function(plan.source, plan.name), plan.grid, plan.block, args, plan.shared_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# The attention kernels' launch: one AttentionParams struct (kernels/params.py) by value.
+
+_ready: dict[tuple[int, str, str, int], int] = {}  # (device, source, name, shared bytes) -> CUfunction
+
+
+def _function_ptr(plan) -> int:
+    """The CUfunction of a plan's instantiation on the current device, its shared-memory limit raised
+    (and, for plans that ask, the largest shared-memory carveout) once, not per call."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), plan.source, plan.name, plan.shared_bytes)
+    ptr = _ready.get(key)
+    if ptr is None:
+        fn = get_function(plan.source, plan.name)
+        set_shared_limit(fn, plan.shared_bytes)
+        if plan.max_carveout:
+            try:  # a hint: the tiles are sized for two blocks per SM and the kernels need little L1
+                fn.preferred_shared_memory_carveout = 100
+            except Exception:  # pragma: no cover - older drivers may refuse it
+                pass
+        ptr = _ready[key] = fn.kernel.ptr
+    return ptr
+
+
+def launch_params(plan, params: bytes | bytearray) -> None:
+    """Launch ``plan`` with one struct argument (the bytes of ``AttentionParams``) on the current stream:
+    one driver call, nothing converted per argument."""
+    import ctypes
+
+    import cupy
+
+    buf = ctypes.create_string_buffer(bytes(params), len(params))
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+    gx, gy, gz = plan.grid
+    bx, by, bz = plan.block
+    stream = cupy.cuda.get_current_stream().ptr
+    # The driver copies the arguments during the call, so buf may go away when it returns.
+    cupy.cuda.driver.launchKernel(
+        _function_ptr(plan), gx, gy, gz, bx, by, bz, plan.shared_bytes, stream, ctypes.addressof(argv), 0
+    )
 
 
 def element_strides(x) -> tuple:
@@ -154,21 +204,32 @@ def _int(pattern: str, log: str) -> int:
 
 def nvrtc_compile(source: str, name: str, arch: str) -> ResourceUsage:
     """Compile ``name`` from ``source`` for ``arch`` (e.g. "sm_80", "sm_90a") and parse ptxas -v."""
+    return nvrtc_compile_many(source, [name], arch)[0]
+
+
+def nvrtc_compile_many(source: str, names: list[str], arch: str) -> list[ResourceUsage]:
+    """Compile several instantiations of one source in one NVRTC program (the front end runs once) and
+    parse what ptxas -v says of each entry."""
     from cupy.cuda import nvrtc
 
     prog = nvrtc.createProgram(read_source(source), source, [], [])
     try:
-        nvrtc.addNameExpression(prog, name)
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
         opts = [*compile_options(), f"-arch={arch}", "-ftz=true", "-Xptxas=-v"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
-            raise CompileError(f"{source}: {name} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+            raise CompileError(f"{source}: {names} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
         log = nvrtc.getProgramLog(prog)
-        lowered = nvrtc.getLoweredName(prog, name)
+        lowered = [nvrtc.getLoweredName(prog, name) for name in names]
     finally:
         nvrtc.destroyProgram(prog)
-    # Keep only the lines about this entry (a module may hold helper kernels too).
+    return [_usage(source, name, arch, low, log) for name, low in zip(names, lowered)]
+
+
+def _usage(source: str, name: str, arch: str, lowered: str, log: str) -> ResourceUsage:
+    # Keep only the lines about this entry (a module may hold several kernels).
     start = log.find(f"Compiling entry function '{lowered}'")
     part = log[start:] if start >= 0 else log
     nxt = part.find("Compiling entry function", 10)
@@ -182,5 +243,5 @@ def nvrtc_compile(source: str, name: str, arch: str) -> ResourceUsage:
         spill_loads=_int(r"(\d+) bytes spill loads", part),
         stack_frame=_int(r"(\d+) bytes stack frame", part),
         shared_static=_int(r"(\d+) bytes smem", part),
-        log=log,
+        log=part,
     )

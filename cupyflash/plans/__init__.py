@@ -66,6 +66,7 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_bytes: int  # dynamic shared memory
+    max_carveout: bool = False  # ask for the largest shared-memory carveout (tensor-core tiles)
 
     def __post_init__(self) -> None:
         if min(self.grid) < 1 or self.grid[1] > 65535 or self.grid[2] > 65535:

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv
+from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -19,8 +21,6 @@ HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
 #: Bytes per element of the 16-bit types the family handles.
 _ELEM = 2
 
-#: Rows handled per warp by the small backward helper kernels (Delta, dQ conversion).
-_ROWS_PER_AUX_BLOCK = 8
 
 
 def padded_head_dim(d: int) -> int | None:
@@ -55,9 +55,10 @@ class ForwardConfig:
     def shared_bytes(self) -> int:
         return (self.br + 2 * self.stages * self.bc) * _pitch(self.d) * _ELEM
 
-    def name(self, ctype: str) -> str:
+    def name(self, ctype: str, policy: str) -> str:
         return (
-            f"mma_flash_fwd<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.stages}, {self.min_blocks}>"
+            f"mma_flash_fwd<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.stages}, {self.min_blocks}, "
+            f"{policy}>"
         )
 
 
@@ -94,10 +95,10 @@ class BackwardConfig:
         stats = 2 * self.stages * self.br * 4  # lse and Delta ring
         return kv + q_do + ds + stats
 
-    def name(self, ctype: str) -> str:
+    def name(self, ctype: str, policy: str) -> str:
         return (
             f"mma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.key_warps}, {self.d_split}, {self.stages}, "
-            f"{self.min_blocks}, {self.dp_chunks}>"
+            f"{self.min_blocks}, {self.dp_chunks}, {policy}>"
         )
 
 
@@ -130,11 +131,11 @@ class Backward2DConfig:
         stats = 2 * self.stages * self.br * 4
         return kv + q_do + p_ds + stats
 
-    def name(self, ctype: str) -> str:
+    def name(self, ctype: str, policy: str) -> str:
         return (
             f"mma_flash_bwd2d<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.s_key_warps}, "
             f"{self.v_key_warps}, {self.q_row_warps}, {self.stages}, {self.min_blocks}, "
-            f"{'true' if self.packed_p else 'false'}>"
+            f"{'true' if self.packed_p else 'false'}, {policy}>"
         )
 
 
@@ -179,32 +180,11 @@ BACKWARD_FALLBACKS: dict[int, BackwardConfig] = {
 }
 
 
-#: gridDim.y limit: B*H goes on y only up to this.
-_MAX_GRID_Y = 65535
-
-
-def _heads_on_x(causal: bool, heads: int) -> bool:
-    """Grid (B*H, tiles) -- heads fastest -- for causal, where every head's longest tiles should go first;
+def _heads_on_x(longest_first: bool, heads: int) -> bool:
+    """Grid (B*H, tiles) -- heads fastest -- when tiles differ in work (causal: every head's longest tiles go first);
     (tiles, B*H) otherwise, so that one head's blocks run together and share its K/V (forward) or
     Q/dO and dQ lines (backward) through L2; (B*H, tiles) also when B*H overflows gridDim.y."""
-    return causal or heads > _MAX_GRID_Y
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    config: Any  # ForwardConfig, or the wgmma family's
-    main: LaunchPlan
-    heads_on_x: bool  # kernel argument: how main.grid maps to (head, tile)
-
-
-@dataclass(frozen=True)
-class BackwardPlan:
-    config: Any  # AnyBackwardConfig, or the wgmma family's BackwardConfig
-    delta: LaunchPlan  # Delta = rowsum(dO * O), zeroes the dQ accumulator
-    main: LaunchPlan
-    convert: LaunchPlan  # dQ accumulator -> dq
-    rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
-    heads_on_x: bool  # kernel argument: how main.grid maps to (kv head, key tile)
+    return longest_first or heads > MAX_GRID_Y
 
 
 def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
@@ -233,7 +213,7 @@ def plan_forward(
     ctype: str,
     limits: DeviceLimits,
     config: ForwardConfig | None = None,
-    causal: bool = False,
+    variant: Variant = Variant(),
 ) -> ForwardPlan:
     """Grid over (B*Hq, query tiles), in the order _heads_on_x picks; the kernel counts query tiles down
     from the last (most work under causal)."""
@@ -241,9 +221,10 @@ def plan_forward(
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma forward configuration for D={d} within {limits.max_shared_per_block} B of smem")
     heads, tiles = batch * hq, cdiv(nq, cfg.br)
-    on_x = _heads_on_x(causal, heads)
+    on_x = _heads_on_x(variant.longest_first, heads)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    name = cfg.name(ctype, variant.cpp_policy)
+    main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
 
 
@@ -257,7 +238,7 @@ def plan_backward(
     ctype: str,
     limits: DeviceLimits,
     config: AnyBackwardConfig | None = None,
-    causal: bool = False,
+    variant: Variant = Variant(),
 ) -> BackwardPlan:
     """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query
     row for the helpers."""
@@ -265,36 +246,20 @@ def plan_backward(
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
     heads, tiles = batch * hk, cdiv(nk, cfg.bc)
-    on_x = _heads_on_x(causal, heads)
+    on_x = _heads_on_x(variant.longest_first, heads)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
+    name = cfg.name(ctype, variant.cpp_policy)
+    main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
-
-
-def backward_plan_around(
-    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str
-) -> BackwardPlan:
-    """A main backward kernel (this family's or the wgmma family's) with the Delta and dQ-conversion
-    launches around it, one warp per query row."""
-    rows = batch * hq * nq
-    aux_grid = (cdiv(rows, _ROWS_PER_AUX_BLOCK), 1, 1)
-    aux_block = (32 * _ROWS_PER_AUX_BLOCK, 1, 1)
-    return BackwardPlan(
-        config=cfg,
-        delta=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
-        main=main,
-        convert=LaunchPlan(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
-        rows=rows,
-        heads_on_x=heads_on_x,
-    )
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
     """Every (source, name expression) the family can launch."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
-        out += [(FORWARD_SOURCE, c.name(ct)) for c in FORWARD_CONFIGS.values()]
-        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_CONFIGS.values()]
-        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_FALLBACKS.values()]
+        for pol in (v.cpp_policy for v in BUILTIN):
+            out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
+            out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
+            out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]
         out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}>"), (BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
     return out

@@ -22,12 +22,13 @@ from typing import Literal
 import numpy as np
 
 from .. import _dtypes
+from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv
 
 FORWARD_SOURCE = "portable_forward.cu"
 BACKWARD_SOURCE = "portable_backward.cu"
 D_PADS = (32, 64, 128, 256)
-MAX_GRID_YZ = 65535
+MAX_GRID_Y = 65535
 DqStrategy = Literal["atomic", "separate"]
 
 
@@ -109,16 +110,16 @@ def ctype(dtype) -> str:
     return _dtypes.CTYPE[np.dtype(dtype)]
 
 
-def fwd_name(ct: str, dp: int, t: Tile) -> str:
-    return f"portable_fwd<{ct}, {dp}, {t.targs()}, {t.min_blocks}>"
+def fwd_name(ct: str, dp: int, t: Tile, policy: str) -> str:
+    return f"portable_fwd<{ct}, {dp}, {t.targs()}, {t.min_blocks}, {policy}>"
 
 
-def kv_name(ct: str, dp: int, t: Tile) -> str:
-    return f"portable_bwd_kv<{ct}, {dp}, {t.targs()}>"
+def kv_name(ct: str, dp: int, t: Tile, policy: str) -> str:
+    return f"portable_bwd_kv<{ct}, {dp}, {t.targs()}, {policy}>"
 
 
-def dq_name(ct: str, dp: int, t: Tile) -> str:
-    return f"portable_bwd_dq<{ct}, {dp}, {t.targs()}>"
+def dq_name(ct: str, dp: int, t: Tile, policy: str) -> str:
+    return f"portable_bwd_dq<{ct}, {dp}, {t.targs()}, {policy}>"
 
 
 def delta_name(ct: str) -> str:
@@ -140,10 +141,20 @@ class Shape:
     nk: int
     d: int
     dtype: np.dtype
+    variant: Variant = Variant()
 
     @property
     def group(self) -> int:
         return self.hq // self.hk
+
+
+def heads_fastest(heads: int) -> bool:
+    """Grids are (tiles, B*H), one head's tiles together, unless B*H overflows gridDim.y."""
+    return heads > MAX_GRID_Y
+
+
+def _grid(tiles: int, heads: int) -> tuple[int, int, int]:
+    return (heads, tiles, 1) if heads_fastest(heads) else (tiles, heads, 1)
 
 
 @dataclass(frozen=True)
@@ -161,8 +172,9 @@ class PortableForwardPlan:
 def forward_plan(s: Shape, limits: DeviceLimits) -> PortableForwardPlan:
     dp = padded_d(s.d)
     t, smem = _pick(FORWARD_TILES, forward_smem, dp, limits)
-    grid = (cdiv(s.nq, t.rows), s.hq, s.b)  # one block per (Q_i tile, query head, batch)
-    lp = LaunchPlan(FORWARD_SOURCE, fwd_name(ctype(s.dtype), dp, t), grid, (t.threads, 1, 1), smem)
+    grid = _grid(cdiv(s.nq, t.rows), s.b * s.hq)  # one block per (Q_i tile, batch and query head)
+    name = fwd_name(ctype(s.dtype), dp, t, s.variant.cpp_policy)
+    lp = LaunchPlan(FORWARD_SOURCE, name, grid, (t.threads, 1, 1), smem)
     return PortableForwardPlan(s, dp, t, lp)
 
 
@@ -194,12 +206,13 @@ def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "ato
     delta_grid = (cdiv(rows, DELTA_THREADS // 32), 1, 1)
     delta = LaunchPlan(BACKWARD_SOURCE, delta_name(ct), delta_grid, (DELTA_THREADS, 1, 1), 0)
     kt, kv_bytes = _pick(KV_TILES, kv_smem, dp, limits)
-    kv_grid = (cdiv(s.nk, kt.rows), s.hk, s.b)  # one block per (K_j/V_j tile, kv head, batch)
-    kv = LaunchPlan(BACKWARD_SOURCE, kv_name(ct, dp, kt), kv_grid, (kt.threads, 1, 1), kv_bytes)
+    pol = s.variant.cpp_policy
+    kv_grid = _grid(cdiv(s.nk, kt.rows), s.b * s.hk)  # one block per (K_j/V_j tile, batch and kv head)
+    kv = LaunchPlan(BACKWARD_SOURCE, kv_name(ct, dp, kt, pol), kv_grid, (kt.threads, 1, 1), kv_bytes)
     if dq_strategy == "separate":
         qt, dq_bytes = _pick(DQ_TILES, dq_smem, dp, limits)
-        dq_grid = (cdiv(s.nq, qt.rows), s.hq, s.b)
-        dq = LaunchPlan(BACKWARD_SOURCE, dq_name(ct, dp, qt), dq_grid, (qt.threads, 1, 1), dq_bytes)
+        dq_grid = _grid(cdiv(s.nq, qt.rows), s.b * s.hq)
+        dq = LaunchPlan(BACKWARD_SOURCE, dq_name(ct, dp, qt, pol), dq_grid, (qt.threads, 1, 1), dq_bytes)
     else:
         # Grid-stride loop: enough blocks to fill the device, no more.
         blocks = max(1, min(cdiv(rows * s.d, CONVERT_THREADS), 32 * limits.sm_count))
@@ -212,9 +225,10 @@ def instantiations() -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for dtype in _dtypes.SUPPORTED:
         ct = ctype(dtype)
-        for dp in D_PADS:
-            out += [(FORWARD_SOURCE, fwd_name(ct, dp, t)) for t in FORWARD_TILES[dp]]
-            out += [(BACKWARD_SOURCE, kv_name(ct, dp, t)) for t in KV_TILES[dp]]
-            out += [(BACKWARD_SOURCE, dq_name(ct, dp, t)) for t in DQ_TILES[dp]]
+        for pol in (v.cpp_policy for v in BUILTIN):
+            for dp in D_PADS:
+                out += [(FORWARD_SOURCE, fwd_name(ct, dp, t, pol)) for t in FORWARD_TILES[dp]]
+                out += [(BACKWARD_SOURCE, kv_name(ct, dp, t, pol)) for t in KV_TILES[dp]]
+                out += [(BACKWARD_SOURCE, dq_name(ct, dp, t, pol)) for t in DQ_TILES[dp]]
         out += [(BACKWARD_SOURCE, delta_name(ct)), (BACKWARD_SOURCE, convert_name(ct))]
     return out

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv
-from . import mma
+from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
 
 FORWARD_SOURCE = "wgmma_forward.cu"
 BACKWARD_SOURCE = "wgmma_backward.cu"
@@ -51,9 +52,10 @@ class ForwardConfig:
     def shared_bytes(self) -> int:
         return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + _ALIGN_SLACK
 
-    def name(self, ctype: str) -> str:
+    def name(self, ctype: str, policy: str) -> str:
         return (
-            f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}>"
+            f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}, "
+            f"{policy}>"
         )
 
 
@@ -75,29 +77,30 @@ def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
 
 
-def _heads_first(causal: bool, heads: int, sm_count: int) -> bool:
-    """Grid order (both passes): under causal, heads fastest (every head's longest tiles first) only while at
+def _heads_first(longest_first: bool, heads: int, sm_count: int) -> bool:
+    """Grid order (both passes): when tiles differ in work (causal), heads fastest (every head's longest tiles first) only while at
     most half an SM count of heads is in flight; with more, one head's tiles run together and share its K/V
     (forward) or Q_i/dO_i and dQ lines (backward) in L2. Measured on an H100 (bf16, B*N = 16k): heads fastest
     is 3-10% ahead at B*H <= 64 and 2-10% (forward) or 17-35% (backward) behind at B*H >= 128. The H200 would
     rather keep heads fastest for the D=64 forward at B*H = 128 (11%), but the H100's D=128 forward there
     falls below SDPA FLASH with it (benchmarks/NOTES.md, "Causal grid order")."""
-    return (causal and heads <= sm_count // 2) or heads > mma._MAX_GRID_Y
+    return (longest_first and heads <= sm_count // 2) or heads > MAX_GRID_Y
 
 
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
-    config: ForwardConfig | None = None, causal: bool = False,
-) -> mma.ForwardPlan:  # fmt: skip
+    config: ForwardConfig | None = None, variant: Variant = Variant(),
+) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = batch * hq, cdiv(nq, cfg.br)
-    on_x = _heads_first(causal, heads, limits.sm_count)
+    on_x = _heads_first(variant.longest_first, heads, limits.sm_count)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
-    return mma.ForwardPlan(cfg, main, on_x)
+    name = cfg.name(ctype, variant.cpp_policy)
+    main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    return ForwardPlan(cfg, main, on_x)
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,8 @@ class BackwardConfig:
         tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
         return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
 
-    def name(self, ctype: str) -> str:
-        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}>"
+    def name(self, ctype: str, policy: str) -> str:
+        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}>"
 
 
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
@@ -144,23 +147,25 @@ def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
 
 def plan_backward(
     batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
-    config: BackwardConfig | None = None, causal: bool = False,
-) -> mma.BackwardPlan:  # fmt: skip
+    config: BackwardConfig | None = None, variant: Variant = Variant(),
+) -> BackwardPlan:  # fmt: skip
     """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = batch * hk, cdiv(nk, cfg.bc)
-    on_x = _heads_first(causal, heads, limits.sm_count)
+    on_x = _heads_first(variant.longest_first, heads, limits.sm_count)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype), grid, (cfg.threads, 1, 1), cfg.shared_bytes)
-    return mma.backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
+    name = cfg.name(ctype, variant.cpp_policy)
+    main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
     """The forward and backward main kernels (the backward's helpers are the mma family's)."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
-        out += [(FORWARD_SOURCE, c.name(ct)) for c in FORWARD_CONFIGS.values()]
-        out += [(BACKWARD_SOURCE, c.name(ct)) for c in BACKWARD_CONFIGS.values()]
+        for pol in (v.cpp_policy for v in BUILTIN):
+            out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
+            out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
     return out

@@ -1,0 +1,153 @@
+// Variant policies: which (query, key) pairs an attention problem scores, and how it scores them.
+//
+// Every kernel of every family takes one policy type as a template argument (FlashAttention-3 passes its
+// Is_causal/Is_local/Has_softcap flags the same way) and asks it, through one interface, everything that
+// depends on the variant:
+//
+//   Policy pol(p);                        // from the kernel's AttentionParams (run-time arguments)
+//   pol.mask.visible(q, k)                // may query q see key k? (k >= nk is never visible)
+//   pol.mask.keys_of(q0, q1)              // keys any query of [q0, q1) may see: a Range
+//   pol.mask.queries_of(k0, k1)           // queries that may see any key of [k0, k1): a Range
+//   pol.mask.partial(q0, q1, k0, k1)      // does the tile hide some pair? (else no per-element test)
+//   Policy::Score::kIdentity              // scores are scale * q . k (the scale folds into exp2's FFMA)
+//   pol.score.at_head(p, b, h)            // per-head run-time values (ALiBi slope)
+//   pol.score.log2_score<kFast>(r, q, k)  // r = q . k -> the final score in log2 units
+//   pol.score.ds_factor<kFast>(P, lse2, q, k)  // d(score)/d(scale * q . k), recomputed from P in the backward
+//   sink_logit(p, h)                      // attention sinks: a per-head logit in every row's softmax
+//
+// Kernels visit only the tiles that the ranges cover, test elements only in partial tiles, and never
+// spell out a mask or score rule of their own. Python names the policy type (cupyflash/variants.py) and
+// the NumPy reference implements the same rules (cupyflash/reference.py), so the three read side by side.
+// Query and key indices are those of the problem: 0 <= q < nq, 0 <= k < nk; the order inside a score is
+// scale -> softcap -> ALiBi -> mask -> softmax (with the sink).
+#pragma once
+#include "attention_params.cuh"
+#include "common.cuh"
+
+namespace cupyflash {
+
+// A half-open index range; empty when begin >= end.
+struct Range {
+  int begin, end;
+};
+
+// The tiles of `tile` indices that cover r: [first, last) in tile units ({0, 0} when r is empty).
+__device__ __forceinline__ Range tiles_covering(Range r, int tile) {
+  if (r.end <= r.begin) return {0, 0};
+  return {r.begin / tile, (r.end + tile - 1) / tile};
+}
+
+// Every key visible to every query (only the end of the key sequence is masked).
+struct NoMask {
+  int nq, nk;
+  __device__ explicit NoMask(const AttentionParams& p) : nq(p.nq), nk(p.nk) {}
+  __device__ __forceinline__ bool visible(int, int k) const { return k < nk; }
+  __device__ __forceinline__ Range keys_of(int, int) const { return {0, nk}; }
+  __device__ __forceinline__ Range queries_of(int, int) const { return {0, nq}; }
+  __device__ __forceinline__ bool partial(int, int, int, int k1) const { return k1 > nk; }
+};
+
+// Causal, bottom-right aligned (FlashAttention >= 2.1): key k is visible to query q iff k <= q + nk - nq.
+// With Nq > Nk the first Nq - Nk queries see no key at all.
+struct Causal {
+  int nq, nk, offset;
+  __device__ explicit Causal(const AttentionParams& p) : nq(p.nq), nk(p.nk), offset(p.nk - p.nq) {}
+  __device__ __forceinline__ bool visible(int q, int k) const { return k < nk && k <= q + offset; }
+  // The last query of the range (clipped to nq) sees the most keys.
+  __device__ __forceinline__ Range keys_of(int, int q1) const {
+    return {0, max(0, min(nk, min(q1, nq) + offset))};
+  }
+  // The first query on or below the diagonal of key k0 sees it, and every later query does too.
+  __device__ __forceinline__ Range queries_of(int k0, int) const { return {min(nq, max(0, k0 - offset)), nq}; }
+  __device__ __forceinline__ bool partial(int q0, int, int, int k1) const { return k1 > nk || k1 - 1 > q0 + offset; }
+};
+
+// A local (sliding-window) mask, bottom-right aligned like Causal: query q sees keys
+// q + nk - nq - left .. q + nk - nq + right (causal with a window is right = 0). The launcher clamps an
+// unbounded side to nk + nq, which reaches past every key.
+struct Window {
+  int nq, nk, lo, hi;  // key k visible to q iff q + lo <= k <= q + hi
+  __device__ explicit Window(const AttentionParams& p)
+      : nq(p.nq), nk(p.nk), lo(p.nk - p.nq - p.window_left), hi(p.nk - p.nq + p.window_right) {}
+  __device__ __forceinline__ bool visible(int q, int k) const { return k < nk && k >= q + lo && k <= q + hi; }
+  __device__ __forceinline__ Range keys_of(int q0, int q1) const {
+    const int last = min(q1, nq) - 1;
+    if (last < q0) return {0, 0};
+    return {max(0, q0 + lo), max(0, min(nk, last + hi + 1))};
+  }
+  __device__ __forceinline__ Range queries_of(int k0, int k1) const {
+    return {min(nq, max(0, k0 - hi)), max(0, min(nq, k1 - 1 - lo + 1))};
+  }
+  // Hidden pairs exist if the first query's last key is short of the tile's last key, or the last
+  // query's first key is past the tile's first key.
+  __device__ __forceinline__ bool partial(int q0, int q1, int k0, int k1) const {
+    return k1 > nk || k1 - 1 > q0 + hi || k0 < min(q1, nq) - 1 + lo;
+  }
+};
+
+// Scores as they are: s = scale * q . k. Kernels fold the scale into the exponential's FFMA.
+struct PlainScore {
+  static constexpr bool kIdentity = true;
+  __device__ explicit PlainScore(const AttentionParams&) {}
+  __device__ __forceinline__ void at_head(const AttentionParams&, int, int) {}
+};
+
+// tanh on the fast path (MUFU, ~2^-11 relative: below 16-bit rounding) or to float accuracy.
+template <bool kFast>
+__device__ __forceinline__ float tanh_of(float x) {
+  if constexpr (kFast) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return tanhf(x);
+  }
+}
+
+// Softcap and/or ALiBi, decided at run time (uniform branches): s = softcap * tanh(scale q.k / softcap)
+// when softcap > 0, then s -= slope_h * |q + nk - nq - k| when slopes are given. Scores leave in log2
+// units, so the caller's exponential takes them as they are (scale 1).
+struct ModScore {
+  static constexpr bool kIdentity = false;
+  float scale_log2, cap_scale, cap_log2;  // cap_log2 = 0: no softcap
+  int offset;
+  float slope_log2 = 0.f;  // -slope_h * log2(e), or 0 without ALiBi
+  __device__ explicit ModScore(const AttentionParams& p)
+      : scale_log2(p.scale_log2), cap_scale(p.softcap_scale), cap_log2(p.softcap_log2), offset(p.nk - p.nq) {}
+  __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
+    slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
+  }
+  template <bool kFast>
+  __device__ __forceinline__ float log2_score(float r, int q, int k) const {
+    const float x = cap_log2 > 0.f ? cap_log2 * tanh_of<kFast>(r * cap_scale) : r * scale_log2;
+    return fmaf(slope_log2, fabsf(static_cast<float>(q + offset - k)), x);
+  }
+  // The softcap's derivative 1 - tanh^2, with tanh recovered from P = exp2(score - lse2) (no extra
+  // registers through the backward's products); 1 without softcap, 0 where P is 0.
+  template <bool kFast>
+  __device__ __forceinline__ float ds_factor(float P, float lse2, int q, int k) const {
+    if (!(cap_log2 > 0.f)) return 1.f;
+    if (!(P > 0.f)) return 0.f;
+    const float lg = kFast ? fast_log2(P) : log2f(P);
+    const float t = (lg + lse2 - slope_log2 * fabsf(static_cast<float>(q + offset - k))) / cap_log2;
+    return 1.f - t * t;
+  }
+};
+
+// Attention sinks: the logit of head h's sink in log2 units (every row's softmax starts from it), or
+// -inf without sinks.
+__device__ __forceinline__ float sink_log2(const AttentionParams& p, int h) {
+  return p.sinks != nullptr ? p.sinks[h] * kLog2e : -__int_as_float(0x7f800000);
+}
+
+// A variant = a mask and a score rule. Kernels are templates of one Policy type.
+template <class MaskT, class ScoreT = PlainScore>
+struct Policy {
+  using Mask = MaskT;
+  using Score = ScoreT;
+  Mask mask;
+  Score score;
+  __device__ explicit Policy(const AttentionParams& p) : mask(p), score(p) {}
+};
+
+}  // namespace cupyflash

@@ -1,0 +1,98 @@
+"""``AttentionParams`` on the host: the Python mirror of ``cuda_src/attention_params.cuh``.
+
+Every attention kernel takes that one struct by value. ``PARAMS`` is its NumPy layout (natural C
+alignment, field for field); ``tests/test_params_layout.py`` compiles the C++ struct with NVRTC and
+checks the size and every offset against it, so the two cannot drift apart.
+
+A launch fills a ``Params`` once per problem signature (sizes, strides, scale, grid order) and only
+writes the array pointers per call (``with_pointers``), which is the cheapest host path there is: one
+bytes copy and one ``struct.pack_into``.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+
+_STRIDES = np.dtype([("b", "<i8"), ("h", "<i8"), ("n", "<i8")], align=True)
+
+#: Array pointers, in struct order; they come first so that one pack_into writes them all.
+POINTERS: tuple[str, ...] = (
+    "q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "delta", "lse_log2", "alibi", "sinks", "dsinks",
+)  # fmt: skip
+STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
+
+PARAMS = np.dtype(
+    [(name, "<u8") for name in POINTERS]
+    + [(name, _STRIDES) for name in STRIDE_FIELDS]
+    + [
+        ("rows", "<i8"),
+        ("batch", "<i4"),
+        ("hq", "<i4"),
+        ("hk", "<i4"),
+        ("group", "<i4"),
+        ("nq", "<i4"),
+        ("nk", "<i4"),
+        ("d", "<i4"),
+        ("scale", "<f4"),
+        ("scale_log2", "<f4"),
+        ("heads_fastest", "<i4"),
+        ("vec", "<i4"),
+        ("alibi_sb", "<i8"),
+        ("window_left", "<i4"),
+        ("window_right", "<i4"),
+        ("softcap_scale", "<f4"),
+        ("softcap_log2", "<f4"),
+    ],
+    align=True,
+)
+
+_POINTER_PACK = struct.Struct("<" + "Q" * len(POINTERS))
+_SLOT = {name: i for i, name in enumerate(POINTERS)}
+
+
+class Params:
+    """One call's ``AttentionParams`` bytes: the static part set once, pointers set per call."""
+
+    __slots__ = ("_record",)
+
+    def __init__(self) -> None:
+        self._record = np.zeros((), PARAMS)
+
+    def set(self, **fields: Any) -> "Params":
+        """Sizes, strides (3-tuples), scales and flags by field name."""
+        for name, value in fields.items():
+            if name in STRIDE_FIELDS:
+                value = tuple(int(s) for s in value)
+            self._record[name] = value
+        return self
+
+    def __getitem__(self, name: str) -> Any:
+        return self._record[name]
+
+    def to_bytes(self) -> bytes:
+        return self._record.tobytes()
+
+    @staticmethod
+    def with_pointers(base: bytes, **pointers: int) -> bytearray:
+        """``base`` (from ``to_bytes``) with the named array pointers written in; the rest stay 0."""
+        buf = bytearray(base)
+        values = [0] * len(POINTERS)
+        for name, ptr in pointers.items():
+            values[_SLOT[name]] = ptr
+        _POINTER_PACK.pack_into(buf, 0, *values)
+        return buf
+
+
+def field_offsets() -> dict[str, int]:
+    """Byte offset of every field, nested stride members as ``q_s.b`` etc. (for the layout test)."""
+    out: dict[str, int] = {}
+    for name in PARAMS.names:
+        dt, off = PARAMS.fields[name][:2]
+        if dt.names:
+            for sub in dt.names:
+                out[f"{name}.{sub}"] = off + dt.fields[sub][1]
+        else:
+            out[name] = off
+    return out

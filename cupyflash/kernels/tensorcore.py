@@ -1,0 +1,26 @@
+"""What the two tensor-core families (mma, wgmma) share on the launch side: their forward main kernels
+take the same params, and their backwards are the same three launches around a family's main kernel
+(``plans.tensorcore``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _dtypes
+from ..plans.tensorcore import BackwardPlan, ForwardPlan
+from ..validation import AttentionProblem
+from .family import CallPlan, Geometry, Scratch, base_params, call_plan
+
+
+def ctype(p: AttentionProblem) -> str:
+    return _dtypes.CTYPE[np.dtype(p.dtype)]
+
+
+def forward_call(plan: ForwardPlan, p: AttentionProblem, g: Geometry) -> CallPlan:
+    """The forward main kernel's call (the wgmma family's forward takes the same params)."""
+    return call_plan([plan.main], base_params(p, g, plan.heads_on_x))
+
+
+def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry) -> CallPlan:
+    """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params)."""
+    scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
+    return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x), scratch)

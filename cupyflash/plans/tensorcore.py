@@ -1,0 +1,53 @@
+"""What the two tensor-core families (mma, wgmma) share in their launch geometry: the plan types and
+the backward's helper launches (Delta = rowsum(dO * O) before the main kernel, the dQ conversion after),
+which run unchanged around either family's main backward kernel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import LaunchPlan, cdiv
+
+#: The helper kernels live in the mma family's backward source (both families build it).
+HELPER_SOURCE = "mma_backward.cu"
+
+#: Rows handled per warp by the small backward helper kernels (Delta, dQ conversion).
+ROWS_PER_AUX_BLOCK = 8
+
+#: gridDim.y limit: B*H goes on y only up to this.
+MAX_GRID_Y = 65535
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    config: Any  # ForwardConfig, or the wgmma family's
+    main: LaunchPlan
+    heads_on_x: bool  # params.heads_fastest: how main.grid maps to (head, tile)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    config: Any  # AnyBackwardConfig, or the wgmma family's BackwardConfig
+    delta: LaunchPlan  # Delta = rowsum(dO * O), zeroes the dQ accumulator
+    main: LaunchPlan
+    convert: LaunchPlan  # dQ accumulator -> dq
+    rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
+    heads_on_x: bool  # params.heads_fastest: how main.grid maps to (kv head, key tile)
+
+
+def backward_plan_around(
+    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str
+) -> BackwardPlan:
+    """A main backward kernel (this family's or the wgmma family's) with the Delta and dQ-conversion
+    launches around it, one warp per query row."""
+    rows = batch * hq * nq
+    aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
+    aux_block = (32 * ROWS_PER_AUX_BLOCK, 1, 1)
+    return BackwardPlan(
+        config=cfg,
+        delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
+        main=main,
+        convert=LaunchPlan(HELPER_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
+        rows=rows,
+        heads_on_x=heads_on_x,
+    )

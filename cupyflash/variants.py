@@ -1,0 +1,156 @@
+"""Attention variants: the one description of which (query, key) pairs a problem scores, and how.
+
+A ``Variant`` rides on every ``AttentionProblem``. It is the single source of truth for
+
+- the C++ policy type every kernel is instantiated with (``cpp_policy``, matching
+  ``cuda_src/attention_policy.cuh``) and its run-time arguments (``params``),
+- the NumPy reference's rules (``visible``, ``scores``), which mirror the policy's,
+- the work per tile that launch plans order their grids by (``longest_first``).
+
+Order inside a score (FlashAttention's): scale -> softcap -> ALiBi -> window/causal mask -> softmax
+(with the sink). Adding a variant means: a policy type in ``attention_policy.cuh``, a case here, the
+reference rule, and tests (ARCHITECTURE.md, "How to add a variant").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Mask and score rule of an attention call (FlashAttention's keywords).
+
+    causal: key j is visible to query i iff j <= i + Nk - Nq (bottom-right aligned).
+    window: (left, right), -1 = unbounded: j visible iff i + Nk - Nq - left <= j <= i + Nk - Nq + right;
+        None when neither side is bounded. Causal with a window is right = 0.
+    softcap: s = softcap * tanh(s / softcap) on the scaled score (0: off).
+    alibi: slopes are given: s -= slope[h] * |i + Nk - Nq - j|.
+    sinks: one logit per query head joins every row's softmax denominator.
+    """
+
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @classmethod
+    def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool) -> "Variant":
+        """The normal form: a window that bounds nothing is no window; causal folds into the window."""
+        left, right = (-1, -1) if window_size is None else window_size
+        if causal:
+            right = 0
+        window = None if left < 0 and (right < 0 or (causal and right == 0)) else (left, right)
+        return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks)
+
+    # ------------------------------------------------------------------ the C++ side
+
+    @property
+    def mask_name(self) -> str:
+        return "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+
+    @property
+    def score_name(self) -> str:
+        return "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
+
+    @property
+    def cpp_policy(self) -> str:
+        """The C++ ``Policy`` type the kernels of this call are instantiated with."""
+        return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}>"
+
+    def params(self, scale: float, nq: int, nk: int) -> dict[str, Any]:
+        """The policy's run-time fields of ``AttentionParams``."""
+        left, right = self._bounds(nq, nk)
+        cap = self.softcap
+        return {
+            "window_left": left,
+            "window_right": right,
+            "softcap_scale": scale / cap if cap > 0 else 0.0,
+            "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
+        }
+
+    def _bounds(self, nq: int, nk: int) -> tuple[int, int]:
+        """(left, right) with an unbounded side clamped to nq + nk (past every key)."""
+        if self.window is None:
+            return nq + nk, (0 if self.causal else nq + nk)
+        far = nq + nk
+        left, right = self.window
+        return (far if left < 0 else min(left, far)), (far if right < 0 else min(right, far))
+
+    @property
+    def longest_first(self) -> bool:
+        """Query tiles differ in work (a triangle: causal, or a window unbounded on the left only), so grids
+        that start every head's longest tiles first finish sooner."""
+        if self.window is None:
+            return self.causal
+        return self.window[0] < 0 and self.window[1] >= 0
+
+    # ------------------------------------------------------------------ the reference's side
+
+    def visible(self, xp: Any, rows: Any, cols: Any, nq: int, nk: int) -> Any:
+        """Boolean (len(rows), len(cols)): may query ``rows[a]`` see key ``cols[b]``? The reference's
+        form of the policy's ``visible`` (cols are < nk by construction)."""
+        if self.window is None and not self.causal:
+            return xp.ones((len(rows), len(cols)), dtype=bool)
+        left, right = self._bounds(nq, nk)
+        diag = rows[:, None] + (nk - nq)
+        return (cols[None, :] >= diag - left) & (cols[None, :] <= diag + right)
+
+    def keys_of(self, q0: int, q1: int, nq: int, nk: int) -> tuple[int, int]:
+        """Keys [begin, end) that any query of [q0, q1) may see (the policy's ``keys_of``)."""
+        last = min(q1, nq) - 1
+        if last < q0:
+            return 0, 0
+        left, right = self._bounds(nq, nk)
+        off = nk - nq
+        return max(0, q0 + off - left), max(0, min(nk, last + off + right + 1))
+
+    def queries_of(self, k0: int, k1: int, nq: int, nk: int) -> tuple[int, int]:
+        """Queries [begin, end) that may see any key of [k0, k1) (the policy's ``queries_of``)."""
+        left, right = self._bounds(nq, nk)
+        off = nk - nq
+        return min(nq, max(0, k0 - off - right)), max(0, min(nq, k1 - off + left))
+
+    def scores(self, xp: Any, s: Any, slopes: Any, rows: Any, cols: Any, nq: int, nk: int) -> Any:
+        """Scaled scores ``s`` (..., len(rows), len(cols)) after softcap and ALiBi (float64). ``slopes``
+        broadcasts against s's leading dims with a trailing (1, 1), or is None."""
+        if self.softcap > 0:
+            s = self.softcap * xp.tanh(s / self.softcap)
+        if self.alibi:
+            dist = xp.abs(rows[:, None] + (nk - nq) - cols[None, :]).astype(np.float64)
+            s = s - slopes * dist
+        return s
+
+    def dscore(self, xp: Any, s_scaled: Any) -> Any:
+        """d(score)/d(scale * q . k) from the scaled scores before softcap (1 without softcap)."""
+        if self.softcap > 0:
+            return 1.0 - xp.tanh(s_scaled / self.softcap) ** 2
+        return 1.0
+
+
+#: Mask x score policies every kernel family is compiled for (CI compiles each instantiation with each):
+#: the plain ones first; a representative Variant of each policy type.
+BUILTIN: tuple[Variant, ...] = (
+    Variant(),
+    Variant(causal=True),
+    Variant(window=(8, 8)),
+    Variant(softcap=30.0),
+    Variant(causal=True, softcap=30.0),
+    Variant(window=(8, 8), softcap=30.0),
+)
+PLAIN: tuple[Variant, ...] = BUILTIN[:2]
+
+
+def check_finite_nonneg(name: str, x: Any) -> float:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number; got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"{name} must be finite and >= 0 (0 = off); got {x}")
+    return x
