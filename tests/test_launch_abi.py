@@ -150,7 +150,7 @@ def test_linear_launches_match_kernels(launches, monkeypatch, path, dtype):
     import cupy.lib.stride_tricks
 
     from cupyflash.kernels import linear
-    from cupyflash.linear_api import check_linear
+    from cupyflash.linear_validation import check_linear
 
     def as_device(x):
         return np.asarray(x).view(_DeviceArray)

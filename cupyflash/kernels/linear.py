@@ -4,7 +4,7 @@
 tiled masked kernel (O(Nq Nk D)) otherwise; tests force either path with ``path=``. On the
 chunked path, 16-bit inputs on sm_80+ run the fused tensor-core walk (linear_fused.cu, one launch
 per pass); float32 (and ``tensor_cores=False``) runs the three FFMA passes of linear_chunked.cu.
-Inputs are (..., H, N, D) CuPy arrays already checked by ``linear_api.check_linear``; batch dims
+Inputs are (..., H, N, D) CuPy arrays already checked by ``linear_validation.check_linear``; batch dims
 are merged into 4-D strided views (``_layout``) and the kernels take element strides.
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _outputs(shapes_like: tuple[Any, ...], dtype: np.dtype, out: tuple[Any, ...]
 
 def forward(q: Any, k: Any, v: Any, mask: Any, decay: Any, p, path: str = "auto", out: Any = None,
             tensor_cores: bool | None = None) -> Any:
-    """o for checked CuPy inputs (a ``linear_api.LinearProblem`` p); ``out`` receives o if given."""
+    """o for checked CuPy inputs (a ``linear_validation.LinearProblem`` p); ``out`` receives o if given."""
     from .._layout import batch_views, unit_last_stride
 
     which = _choose(p, mask, path)
@@ -258,7 +258,7 @@ def backward(do: Any, q: Any, k: Any, v: Any, mask: Any, decay: Any, p, mask_gra
     import cupy
 
     from .._layout import batch_views, unit_last_stride
-    from ..linear_api import dmask_dtype
+    from ..linear_validation import dmask_dtype
 
     which = _choose(p, mask, path)
     tc = _tensor_cores(p, tensor_cores)
