@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .kernels import linear as _kernels
 from .linear_validation import check_linear, check_linear_backward, dmask_dtype, host_decay
 
 
@@ -37,9 +38,7 @@ def linear_attention_forward(
 
         o = linear_reference.linear_attention_forward(q, k, v, causal=causal, mask=mask, decay=decay, scale=p.base.scale)
         return o.astype(p.base.dtype)
-    from .kernels import linear
-
-    return linear.forward(q, k, v, mask, decay, p)
+    return _kernels.forward(q, k, v, mask, decay, p)
 
 
 def linear_attention(
@@ -78,9 +77,7 @@ def linear_attention_backward(
         if mask_grad:
             out.append(grads[3].astype(dmask_dtype(p.mask_dtype)))
         return tuple(out)
-    from .kernels import linear
-
-    return linear.backward(do, q, k, v, mask, decay, p, mask_grad)
+    return _kernels.backward(do, q, k, v, mask, decay, p, mask_grad)
 
 
 def linear_attention_vjp(

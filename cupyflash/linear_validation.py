@@ -6,6 +6,7 @@ types, shapes and dtypes (and the host values of a decay), the same on NumPy and
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,41 @@ def host_decay(decay: Any) -> Any:
     return np.asarray(decay) if isinstance(decay, (list, tuple)) else decay
 
 
-def _decay_values(decay: Any) -> np.ndarray:
-    """Host values of decay for the range check: a CuPy decay costs one tiny (synchronising) copy."""
+def _check_rate_values(vals: np.ndarray) -> None:
+    if not (np.all(np.isfinite(vals)) and np.all(vals > 0) and np.all(vals <= 1)):
+        raise ValueError(f"decay values must lie in (0, 1]; got min {vals.min()}, max {vals.max()}")
+
+
+@functools.lru_cache(maxsize=256)
+def _host_rates_ok(dtype: np.dtype, values: bytes) -> bool:
+    """The range check of one set of host rates, remembered by value (a model passes the same
+    rates every call); a failing set raises every time, as exceptions are never cached."""
+    _check_rate_values(np.frombuffer(values, dtype=dtype).astype(np.float64))
+    return True
+
+
+def _check_decay_values(decay: Any) -> None:
+    """Rates in (0, 1]: host rates by value through a cache; a CuPy decay costs one tiny
+    (synchronising) device-to-host copy per call."""
     if isinstance(decay, np.ndarray):
-        return decay.astype(np.float64)
+        _host_rates_ok(decay.dtype, decay.tobytes())
+        return
     import cupy
 
-    return cupy.asnumpy(decay).astype(np.float64)
+    _check_rate_values(cupy.asnumpy(decay).astype(np.float64))
+
+
+def _signature(q: Any, k: Any, v: Any, causal: Any, mask: Any, decay: Any, scale: Any, allow_float64: bool) -> tuple:
+    """Everything the shape, dtype and kind checks read (types too: True == 1 and 1 == 1.0 as keys)."""
+    m = None if mask is None else (type(mask), mask.shape, mask.dtype)
+    d = None if decay is None else (type(decay), decay.shape, decay.dtype)
+    return (type(q), q.shape, q.dtype, type(k), k.shape, k.dtype, type(v), v.shape, v.dtype,
+            type(causal), causal, type(scale), scale, allow_float64, m, d)  # fmt: skip
+
+
+#: checked problems by signature; only calls that passed every check are ever stored
+_checked: dict[tuple, LinearProblem] = {}
+_MAX_CHECKED = 256
 
 
 def check_linear(
@@ -66,11 +95,36 @@ def check_linear(
     scale: float | None = 1.0,
     allow_float64: bool = False,
 ) -> LinearProblem:
-    """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D), the mask and the decay."""
+    """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D), the mask and the decay.
+
+    The shape, dtype and kind checks are pure functions of the arguments' types, shapes and dtypes
+    (and of causal and scale): their verdict is remembered per signature, so a repeated call costs
+    one dictionary lookup, and a signature that failed is checked (and fails) again every time.
+    Decay values are checked on every call.
+    """
+    decay = host_decay(decay)
+    try:
+        key = _signature(q, k, v, causal, mask, decay, scale, allow_float64)
+        p = _checked.get(key)
+    except (AttributeError, TypeError):  # not arrays, or an unhashable scale: the full checks say why
+        key, p = None, None
+    if p is None:
+        p = _check_signature(q, k, v, causal, mask, decay, scale, allow_float64)
+        if key is not None:
+            if len(_checked) >= _MAX_CHECKED:
+                _checked.clear()
+            _checked[key] = p
+    if decay is not None:
+        _check_decay_values(decay)
+    return p
+
+
+def _check_signature(
+    q: Any, k: Any, v: Any, causal: Any, mask: Any, decay: Any, scale: Any, allow_float64: bool
+) -> LinearProblem:
     arrays = {"q": q, "k": k, "v": v}
     if mask is not None:
         arrays["mask"] = mask
-    decay = host_decay(decay)
     if decay is not None and not isinstance(decay, np.ndarray):  # host rates go with either backend
         arrays["decay"] = decay
     common_kind(**arrays)
@@ -99,9 +153,6 @@ def check_linear(
             raise TypeError(f"decay must have a float or integer dtype; got {dt}")
         if tuple(decay.shape) != (base.hq,):
             raise ValueError(f"decay must have shape (Hq,) = ({base.hq},) for q {q.shape}; got {tuple(decay.shape)}")
-        vals = _decay_values(decay)
-        if not (np.all(np.isfinite(vals)) and np.all(vals > 0) and np.all(vals <= 1)):
-            raise ValueError(f"decay values must lie in (0, 1]; got min {vals.min()}, max {vals.max()}")
     return LinearProblem(base, mask_shape, mask_dt, decay is not None)
 
 
