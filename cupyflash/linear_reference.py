@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .linear_api import LinearProblem, check_linear, check_linear_backward
+from .linear_validation import LinearProblem, check_linear, check_linear_backward
 
 
 def _f64(x: Any) -> np.ndarray:

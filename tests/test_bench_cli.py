@@ -412,3 +412,42 @@ def test_naive_is_unavailable_for_bfloat16_only():
     require_cupy_matmul("float32")
     with pytest.raises(Unavailable, match="bfloat16"):
         require_cupy_matmul("bfloat16")
+
+
+# ---------------------------------------------------------------------------- overhead suite
+
+
+def test_overhead_suite_lists_its_calls_without_a_gpu(capsys):
+    o = bench.parse_args(["--suite", "overhead"], has_torch=False)
+    assert o.shapes == (Shape(1, 8, 128, 64, False, "bfloat16"), Shape(4, 12, 256, 64, False, "float32"))
+    assert bench.main(["--suite", "overhead", "--list", "--compare", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "300 back-to-back calls" in out
+    for row in ("forward bfloat16 B=1 H=8 N=128 D=64", "backward bfloat16 B=1 H=8 N=128 D=64",
+                "forward float32 B=4 H=12 N=256 D=64", "backward float32 B=4 H=12 N=256 D=64",
+                "linear forward bfloat16 B=1 H=8 N=128 D=64 causal"):  # fmt: skip
+        assert f"  {row}\n" in out + "\n"
+    with pytest.raises(SystemExit):  # its rows are calls, not TFLOP/s: it runs alone
+        bench.parse_args(["--suite", "overhead,grid"], has_torch=False)
+
+
+def test_overhead_table_and_json(tmp_path):
+    from cupyflash.bench.overhead import format_overhead_table, plan_rows
+
+    rows = plan_rows(bench.parse_args(["--suite", "overhead"], has_torch=False).shapes)
+    assert [(r.call, r.shape.dtype) for r in rows][-1] == ("linear forward", "bfloat16")
+    s = rows[0].shape
+    base = dict(workload="softmax", b=s.b, h=s.h, n=s.n, d=s.d, causal=s.causal, dtype=s.dtype, pass_="fwd",
+                kind="overhead", status="ok", runs=300)  # fmt: skip
+    recs = [Record(impl="cupyflash", median_ms=0.0215, gpu_ms=0.0071, **base),
+            Record(impl="sdpa", median_ms=0.0202, gpu_ms=0.0093, **base)]  # fmt: skip
+    table = format_overhead_table(recs, rows).splitlines()
+    assert "ours us/call" in table[0] and "SDPA us/call" in table[0] and "GPU-event" in table[0]
+    assert len(table) == 2 + len(rows)
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:4]]
+    assert cells[0] == ["forward bfloat16 B=1 H=8 N=128 D=64", "21.5", "20.2", "7.1", "9.3"]
+    assert cells[1][1:] == ["-"] * 4  # the backward row has no record
+    path = tmp_path / "o.json"
+    bench.report.write_json(recs, str(path))
+    got = json.loads(path.read_text())
+    assert set(got[0]) == set(bench.JSON_KEYS) and got[0]["kind"] == "overhead" and got[0]["gpu_ms"] == 0.0071

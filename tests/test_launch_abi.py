@@ -165,7 +165,7 @@ def test_linear_launches_match_kernels(monkeypatch, path, dtype):
 
     from cupyflash import plans
     from cupyflash.kernels import build, linear
-    from cupyflash.linear_api import check_linear
+    from cupyflash.linear_validation import check_linear
 
     seen = []
 
@@ -189,7 +189,9 @@ def test_linear_launches_match_kernels(monkeypatch, path, dtype):
     monkeypatch.setattr(cupy, "broadcast_to", lambda x, shape: as_device(np.broadcast_to(x, shape)))
     monkeypatch.setattr(cupy.lib.stride_tricks, "as_strided",
                         lambda x, shape, strides: as_device(np.lib.stride_tricks.as_strided(x, shape, strides)))  # fmt: skip
-    monkeypatch.setattr(linear, "_device_decay", lambda d: as_device(np.asarray(d, np.float32)))
+    monkeypatch.setattr(linear, "_device_decay", lambda d, device: as_device(np.asarray(d, np.float32)))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(synchronize=lambda: None))
     q, k, v, _ = _problem(np.dtype(dtype))
     mask = _empty((33, 40), np.float32) if path == "masked" else None
     decay = _empty((4,), np.float32) if path == "chunked" else None

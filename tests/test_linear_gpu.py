@@ -12,6 +12,7 @@ import pytest
 from conftest import DTYPES, HAS_GPU, rel_err, requires_gpu
 
 import cupyflash.linear_api as api
+import cupyflash.linear_validation as checks
 from cupyflash import linear_reference as ref
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
@@ -58,7 +59,7 @@ def check(rng, dtype_name, batch, hq, hk, nq, nk, d, causal, *, mask_shape=None,
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     md = cupy.asarray(mask) if mask is not None else None
     ld = cupy.asarray(lam) if lam is not None else None
-    p = api.check_linear(qd, kd, vd, causal=causal, mask=md, decay=ld, scale=scale)
+    p = checks.check_linear(qd, kd, vd, causal=causal, mask=md, decay=ld, scale=scale)
     tc = impl == "tc"
     assert linear._tensor_cores(p, tc) == tc  # the variant asked for is the one that runs
     o = _poisoned(q.shape, dtype)
@@ -196,7 +197,7 @@ def test_default_tile_choice(rng):
     cc = DeviceLimits.current().compute_capability
     for name in DT:
         q, k, v, _ = (cupy.asarray(x) for x in inputs(rng, (1,), 2, 2, 8, 8, 16, DTYPES[name]))
-        p = api.check_linear(q, k, v)
+        p = checks.check_linear(q, k, v)
         assert linear._tensor_cores(p, None) == (name != "float32" and cc >= 80)
 
 
@@ -206,7 +207,7 @@ def test_forward_bit_identical(rng):
         q, k, v, _ = (cupy.asarray(x) for x in inputs(rng, (2,), 4, 2, 257, 257, 64, dtype))
         m = cupy.asarray(rng.uniform(size=mshape).astype(np.float32)) if mshape else None
         lam = cupy.asarray(np.full(4, 0.99, np.float32))
-        p = api.check_linear(q, k, v, causal=True, mask=m, decay=lam)
+        p = checks.check_linear(q, k, v, causal=True, mask=m, decay=lam)
         a = linear.forward(q, k, v, m, lam, p, path=path)
         b = linear.forward(q, k, v, m, lam, p, path=path)
         assert a.tobytes() == b.tobytes()
@@ -248,7 +249,7 @@ def test_public_api_errors(rng):
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         cf.linear_attention(qd, kd, vd, causal=True, decay=cupy.asarray([0.5, 2.0]))
     with pytest.raises(ValueError, match="path must be one of"):
-        linear.forward(qd, kd, vd, None, None, api.check_linear(qd, kd, vd), path="fast")
+        linear.forward(qd, kd, vd, None, None, checks.check_linear(qd, kd, vd), path="fast")
 
 
 def test_empty_and_keyless(rng):

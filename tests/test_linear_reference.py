@@ -13,6 +13,7 @@ import pytest
 from conftest import DTYPES
 
 import cupyflash.linear_api as api
+import cupyflash.linear_validation as checks
 from cupyflash import linear_reference as ref
 from cupyflash.plans import LaunchPlan
 from cupyflash.plans import linear as plans
@@ -267,8 +268,8 @@ def test_numpy_backend_defaults_and_bool_mask(rng):
     m = rng.uniform(size=(5, 6)) > 0.3
     *_, dm = api.linear_attention_backward(do, q, k, v, mask=m, mask_grad=True)
     assert dm.dtype == np.float32 and dm.shape == (5, 6)
-    assert api.dmask_dtype(ml_dtypes.bfloat16) == np.dtype(ml_dtypes.bfloat16)
-    assert api.dmask_dtype(np.int32) == np.float32
+    assert checks.dmask_dtype(ml_dtypes.bfloat16) == np.dtype(ml_dtypes.bfloat16)
+    assert checks.dmask_dtype(np.int32) == np.float32
 
 
 def test_empty_problems():
@@ -277,6 +278,23 @@ def test_empty_problems():
     assert api.linear_attention(q, k, k).shape == (2, 0, 4)
     dq, dk, dv = api.linear_attention_backward(q, q, k, k)
     assert dq.shape == q.shape and not np.any(dk) and not np.any(dv)
+
+
+def test_checks_live_apart_from_the_public_api():
+    """The reference and the kernels import the checks, never the public API (no import circle)."""
+    import ast
+    import inspect
+
+    from cupyflash import linear_reference
+    from cupyflash.kernels import linear as kernels
+
+    for mod in (linear_reference, kernels, checks):
+        tree = ast.parse(inspect.getsource(mod))
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m.endswith("linear_api") for m in imported), (mod.__name__, imported)
+    assert set(api.__all__) == {"linear_attention", "linear_attention_forward", "linear_attention_backward",
+                                "linear_attention_vjp"}
 
 
 # ---------------------------------------------------------------------------- plans

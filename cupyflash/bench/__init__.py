@@ -15,7 +15,8 @@ Modules, one job each:
 - ``device``: the GPU, its environment record, memory release, CuPy/torch interop;
 - ``impls``: input sets and the interface every implementation follows;
 - ``softmax_impls``, ``linear_impls``: the implementations; ``workloads``: the families;
-- ``memory``: the long suite's memory check; ``run``: measuring and ``main``.
+- ``memory``: the long suite's memory check; ``overhead``: ``--suite overhead``, host microseconds
+  per tiny call against GPU time; ``run``: measuring and ``main``.
 
 ``shapes``, ``report``, ``cli`` and ``timing``'s planning are pure Python and tested on the CPU
 (``tests/test_bench_cli.py``); ``--help`` and ``--list`` need no GPU.

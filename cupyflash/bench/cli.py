@@ -17,6 +17,7 @@ from .shapes import (
     linear_quick_shapes,
     linear_shapes,
     long_shapes,
+    overhead_shapes,
     quick_shapes,
 )
 
@@ -27,6 +28,7 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "fp32": fp32_shapes,
     "long": long_shapes,
     "quick": quick_shapes,
+    "overhead": overhead_shapes,  # host time of tiny calls (bench/overhead.py); runs alone
 }
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
 SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
@@ -72,14 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples: `python -m cupyflash.bench` (grid + fp32); "
         "`python -m cupyflash.bench --suite quick --compare none`; "
         "`python -m cupyflash.bench --suite grid --dtype bf16 --d 128 --kernels mma,portable --json out.json "
-        "--plot out.png`; `python -m cupyflash.bench --suite long`; `python -m cupyflash.bench --mode linear`.",
+        "--plot out.png`; `python -m cupyflash.bench --suite long`; `python -m cupyflash.bench --mode linear`; "
+        "`python -m cupyflash.bench --suite overhead --json overhead.json`.",
     )
     p.add_argument("--mode", choices=("softmax", "linear"), default="softmax", help="workload family (default softmax)")
     p.add_argument(
         "--suite",
         default=None,
         help="comma list: grid, fp32, long, quick, all (= grid,fp32,long); linear mode: linear, quick. "
-        "Default: grid,fp32 (linear mode: linear)",
+        "Default: grid,fp32 (linear mode: linear). overhead (alone): microseconds per call of tiny "
+        "forwards, backwards and a linear forward, wall time against GPU time, beside SDPA",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -223,6 +227,8 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
         compare = expand_compare(a.compare, a.mode, has_torch)
     except ValueError as e:
         parser.error(str(e))
+    if "overhead" in suites and len(suites) > 1:
+        parser.error("--suite overhead runs alone (its rows are calls, not TFLOP/s)")
     if not has_torch and any(c in TORCH_BACKENDS for c in compare):
         parser.error("--compare torch needs PyTorch, which is not importable here")
     valid_passes = ("fwd", "bwd") if a.mode == "softmax" else ("fwd", "fwd+bwd")
@@ -263,7 +269,21 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
     )
 
 
+def is_overhead(opts: Options) -> bool:
+    return opts.suites == ("overhead",)
+
+
+def overhead_uses_sdpa(opts: Options) -> bool:
+    """SDPA's columns: whenever the comparisons name a torch backend (the default with torch)."""
+    return any(c in TORCH_BACKENDS for c in opts.compare)
+
+
 def format_plan(opts: Options) -> str:
+    if is_overhead(opts):
+        from .overhead import format_plan as overhead_plan
+        from .overhead import plan_rows
+
+        return overhead_plan(plan_rows(opts.shapes), overhead_uses_sdpa(opts))
     flops = WORKLOAD_FLOPS[opts.mode]
     lines = [f"mode {opts.mode}{' with decay' if opts.decay else ''}, suites {','.join(opts.suites)}, "
              f"passes {','.join(opts.passes)}, implementations {', '.join(opts.impls)}"]

@@ -14,7 +14,8 @@ from .shapes import Shape
 
 @dataclass
 class Record:
-    """One measurement (kind "timing") or one memory check (kind "memory")."""
+    """One measurement (kind "timing"), one memory check (kind "memory") or one host-overhead
+    measurement (kind "overhead": ``median_ms`` wall time per call, ``gpu_ms`` its GPU time)."""
 
     workload: str
     b: int
@@ -35,6 +36,7 @@ class Record:
     note: str = ""
     kind: str = "timing"
     peak_bytes: int | None = None  # memory records
+    gpu_ms: float | None = None  # overhead records: CUDA-event time of the call (median_ms is wall time)
     env: dict[str, Any] = field(default_factory=dict)  # device, versions, date
 
     @property
@@ -56,7 +58,7 @@ ENV_KEYS = ("device", "compute_capability", "versions", "date")
 #: Keys every JSON record has (tests check the schema against this).
 JSON_KEYS = (
     "kind", "workload", "b", "h", "n", "d", "causal", "dtype", "pass", "impl", "status",
-    "median_ms", "tflops", "flops", "runs", "sets", "flushed", "note", "peak_bytes",
+    "median_ms", "tflops", "flops", "runs", "sets", "flushed", "note", "peak_bytes", "gpu_ms",
     *ENV_KEYS,
 )  # fmt: skip
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Sequence
 
 from . import timing
-from .cli import TORCH_BACKENDS, Options, format_plan, parse_args
+from .cli import TORCH_BACKENDS, Options, format_plan, is_overhead, overhead_uses_sdpa, parse_args
 from .device import environment, free_device_memory, require_gpu
 from .impls import Impl, InputSet, Unavailable, first_line, random_inputs
 from .memory import memory_record
@@ -135,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if importlib.util.find_spec("matplotlib") is None:  # fail before the runs, not after
             raise SystemExit("--plot needs matplotlib; install it with `pip install matplotlib`")
     require_gpu()
+    if is_overhead(opts):
+        return overhead_main(opts)
     records = run(opts)
     if not records:
         return 0
@@ -150,3 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"wrote {opts.plot}")
     failed = [r for r in records if r.status == "error" and r.impl.startswith("cupyflash")]
     return 1 if failed else 0
+
+
+def overhead_main(opts: Options) -> int:
+    """``--suite overhead``: the host-overhead table (and JSON records of kind "overhead")."""
+    from .overhead import format_overhead_table, plan_rows, run_overhead
+
+    use_sdpa = overhead_uses_sdpa(opts)
+    if use_sdpa:
+        import torch  # noqa: F401  (imported before environment() so its version is recorded)
+    env = environment()
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    rows = plan_rows(opts.shapes)
+    records = run_overhead(rows, use_sdpa, opts.seed, env, progress)
+    print(format_overhead_table(records, rows))
+    if opts.json:
+        write_json(records, opts.json)
+        progress(f"wrote {len(records)} records to {opts.json}")
+    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0

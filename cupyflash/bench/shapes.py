@@ -85,6 +85,11 @@ def quick_shapes() -> list[Shape]:
     ]
 
 
+def overhead_shapes() -> list[Shape]:
+    """The tiny shapes of the host-overhead suite (issue 12): where the host path is the call."""
+    return [Shape(1, 8, 128, 64, False, "bfloat16"), Shape(4, 12, 256, 64, False, "float32")]
+
+
 def linear_shapes() -> list[Shape]:
     return [Shape(4, 16, 8192, d, True, dt) for dt in GRID_DTYPES for d in GRID_DS] + [
         Shape(1, 16, 32768, 64, True, dt) for dt in GRID_DTYPES

@@ -1,0 +1,196 @@
+"""``--suite overhead``: what a small call costs on the host (issue 12, item 5).
+
+For each tiny shape the wall time of ``CALLS`` back-to-back calls after warm-up, then one
+device synchronise, divided by ``CALLS``: kernels this small finish before the next launch is
+issued, so the figure is the host path (checks, plans, allocation, launch) whenever that is the
+longer. Beside it, the GPU time of the same call by CUDA events (median of many), so the reader
+sees how much of a call is host. PyTorch SDPA runs like with like, in the same process: forward
+under ``torch.no_grad()``, backward alone (``torch.autograd.grad`` on a graph kept from one
+forward); its columns are left out when torch is not importable.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager, Sequence
+
+from . import timing
+from .report import Record
+from .shapes import Shape
+
+CALLS = 300
+WARMUP = 30
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a call on one shape."""
+
+    call: str  # "forward", "backward", "linear forward"
+    workload: str  # "softmax" or "linear"
+    pass_: str  # "fwd" or "bwd"
+    shape: Shape
+
+    @property
+    def label(self) -> str:
+        s = self.shape
+        causal = " causal" if s.causal else ""
+        return f"{self.call} {s.dtype} B={s.b} H={s.h} N={s.n} D={s.d}{causal}"
+
+
+def plan_rows(shapes: Sequence[Shape]) -> list[Row]:
+    """Forward and backward per shape, then the causal linear forward at each bf16 shape."""
+    rows = [Row(call, "softmax", p, s) for s in shapes for call, p in (("forward", "fwd"), ("backward", "bwd"))]
+    rows += [Row("linear forward", "linear", "fwd", replace(s, causal=True)) for s in shapes if s.dtype == "bfloat16"]
+    return rows
+
+
+def format_plan(rows: Sequence[Row], sdpa: bool) -> str:
+    lines = [f"suite overhead: wall time of {CALLS} back-to-back calls after warm-up, one synchronise, "
+             f"/ {CALLS}; GPU time by CUDA events" + ("; SDPA alongside" if sdpa else "")]
+    lines += [f"  {r.label}" for r in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Timed:
+    """A call with no arguments, the synchronise and clock of the library that launches it, and a
+    context held around the measurement (e.g. ``torch.no_grad``)."""
+
+    call: Callable[[], Any]
+    sync: Callable[[], None]
+    clock: timing.Clock
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+
+
+def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls, closed by one synchronise."""
+    with t.context():
+        for _ in range(warmup):
+            t.call()
+        t.sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            t.call()
+        t.sync()
+        return (time.perf_counter() - start) / calls * 1e6
+
+
+def event_us(t: Timed) -> float:
+    """Median GPU time of one call by CUDA events around it, in microseconds."""
+    with t.context():
+        m = timing.measure(lambda i: t.call(), t.clock, warmup=10, runs=200, min_runs=50, max_seconds=0.5)
+    return m.median_ms * 1e3
+
+
+def _cupy_inputs(shape: Shape, seed: int) -> tuple[Any, Any, Any, Any]:
+    import cupy
+
+    from .device import cupy_dtype
+
+    rng = cupy.random.default_rng(seed)
+    dims = (shape.b, shape.h, shape.n, shape.d)
+    return tuple(rng.standard_normal(dims, dtype=cupy.float32).astype(cupy_dtype(shape.dtype)) for _ in range(4))  # type: ignore[return-value]
+
+
+def ours(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed:
+    import cupy
+
+    import cupyflash as cf
+
+    c = row.shape.causal
+    if row.workload == "linear":
+        call = lambda: cf.linear_attention_forward(q, k, v, causal=c)  # noqa: E731
+    elif row.pass_ == "fwd":
+        call = lambda: cf.attention_forward(q, k, v, c)  # noqa: E731
+    else:
+        o, lse = cf.attention_forward(q, k, v, c)
+        call = lambda: cf.attention_backward(do, q, k, v, o, lse, c)  # noqa: E731
+    return Timed(call, cupy.cuda.Device().synchronize, timing.CupyClock())
+
+
+def sdpa(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed | None:
+    """PyTorch SDPA (its own backend choice, as a user calls it); None for linear attention."""
+    if row.workload != "softmax":
+        return None
+    import torch
+    import torch.nn.functional as F
+
+    from .device import to_torch
+
+    c = row.shape.causal
+    tq, tk, tv, tdo = (to_torch(x) for x in (q, k, v, do))
+    if row.pass_ == "fwd":
+        return Timed(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=c), torch.cuda.synchronize,
+                     timing.TorchClock(), torch.no_grad)  # fmt: skip
+    leaves = [x.detach().requires_grad_() for x in (tq, tk, tv)]
+    o = F.scaled_dot_product_attention(*leaves, is_causal=c)  # the graph every timed backward reuses
+    return Timed(lambda: torch.autograd.grad(o, leaves, tdo, retain_graph=True), torch.cuda.synchronize,
+                 timing.TorchClock())  # fmt: skip
+
+
+def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, Any],
+                 progress: Callable[[str], None]) -> list[Record]:  # fmt: skip
+    """One record per (row, implementation): ``median_ms`` is the wall time per call, ``gpu_ms``
+    the CUDA-event time of the same call."""
+    records: list[Record] = []
+    for r in rows:
+        q, k, v, do = _cupy_inputs(r.shape, seed)
+        impls = [("cupyflash" if r.workload == "softmax" else "cupyflash-linear", ours)]
+        if use_sdpa:
+            impls.append(("sdpa", sdpa))
+        for name, make in impls:
+            s = r.shape
+            base = dict(workload=r.workload, b=s.b, h=s.h, n=s.n, d=s.d, causal=s.causal, dtype=s.dtype,
+                        pass_=r.pass_, impl=name, kind="overhead", env=env)  # fmt: skip
+            try:
+                t = make(r, q, k, v, do)
+                if t is None:
+                    continue
+                wall, gpu = wall_us(t), event_us(t)
+            except Exception as e:  # a refusal or an OOM: report it, keep going
+                records.append(Record(status="error", note=f"{type(e).__name__}: {e}"[:200], **base))
+                progress(f"overhead {r.label} {name}: error {e}")
+                continue
+            records.append(Record(status="ok", median_ms=wall * 1e-3, gpu_ms=gpu * 1e-3, runs=CALLS,
+                                  note=f"wall of {CALLS} back-to-back calls / {CALLS}", **base))  # fmt: skip
+            progress(f"overhead {r.label} {name}: {wall:.1f} us/call wall, {gpu:.1f} us GPU")
+    return records
+
+
+# ---------------------------------------------------------------------------- table
+
+
+def format_overhead_table(records: Sequence[Record], rows: Sequence[Row]) -> str:
+    """Rows: calls; columns: ours and SDPA wall microseconds per call, and their GPU-event times."""
+    by: dict[tuple, dict[str, Record]] = {}
+    for rec in records:
+        if rec.kind == "overhead":
+            key = (rec.workload, rec.pass_, rec.dtype, rec.b, rec.h, rec.n, rec.d, rec.causal)
+            by.setdefault(key, {})[rec.impl] = rec
+
+    def cell(rec: Record | None, ms: float | None) -> str:
+        if rec is None:
+            return "-"
+        return f"{ms * 1e3:.1f}" if rec.status == "ok" and ms is not None else rec.status
+
+    header = ["call", "ours us/call", "SDPA us/call", "ours GPU-event us", "SDPA GPU-event us"]
+    body = []
+    for r in rows:
+        s = r.shape
+        got = by.get((r.workload, r.pass_, s.dtype, s.b, s.h, s.n, s.d, s.causal), {})
+        mine = got.get("cupyflash") or got.get("cupyflash-linear")
+        theirs = got.get("sdpa")
+        body.append([r.label, cell(mine, mine and mine.median_ms), cell(theirs, theirs and theirs.median_ms),
+                     cell(mine, mine and mine.gpu_ms), cell(theirs, theirs and theirs.gpu_ms)])  # fmt: skip
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(b) for b in body)])
