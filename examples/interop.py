@@ -15,9 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-import cupy as cp
-
 import cupyflash as cf
+from cupyflash._cuda_env import gpu_status
+
+if __name__ == "__main__" and (_reason := gpu_status()) is not None:
+    print(f"skipped: interop.py needs an NVIDIA GPU (no GPU: {_reason})")
+    sys.exit(0)
+
+import cupy as cp  # noqa: E402
 
 B, H, N, D = 2, 4, 512, 64
 

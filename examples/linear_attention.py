@@ -3,11 +3,20 @@ reference, and a timing against naive masked matmuls.
 
     python examples/linear_attention.py
 """
-import numpy as np
-import cupy
+import sys
 
-from cupyflash import linear_reference
-from cupyflash.linear_api import linear_attention, linear_attention_backward
+import numpy as np
+
+from cupyflash._cuda_env import gpu_status
+
+if (_reason := gpu_status()) is not None:
+    print(f"skipped: linear_attention.py needs an NVIDIA GPU (no GPU: {_reason})")
+    sys.exit(0)
+
+import cupy  # noqa: E402
+
+from cupyflash import linear_reference  # noqa: E402
+from cupyflash.linear_api import linear_attention, linear_attention_backward  # noqa: E402
 
 rng = np.random.default_rng(0)
 B, H, N, D = 2, 4, 2048, 64

@@ -14,11 +14,17 @@ import argparse
 import math
 import sys
 
-import cupy as cp
 import numpy as np
 
 import cupyflash as cf
 from cupyflash import _dtypes
+from cupyflash._cuda_env import gpu_status
+
+if __name__ == "__main__" and (_reason := gpu_status()) is not None:
+    print(f"skipped: long_context.py needs an NVIDIA GPU (no GPU: {_reason})")
+    sys.exit(0)
+
+import cupy as cp  # noqa: E402
 
 
 def gib(n: float) -> str:
@@ -112,7 +118,7 @@ def main() -> int:
         diff = float(cp.linalg.norm(a - b) / cp.linalg.norm(a))
         print(f"naive attention: {t_naive:.1f} ms ({flops / t_naive / 1e9:.1f} TFLOP/s), "
               f"peak {gib(pool.total_bytes())}; relative difference to cupyflash {diff:.2e}")
-    ok = finite and err < 1.6e-2  # bfloat16 bound of DESIGN.md §4
+    ok = finite and err < 1.6e-2  # the bfloat16 bound cupyflash's tests use
     return 0 if ok else 1
 
 

@@ -96,16 +96,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def pick_xp(device: str) -> Any:
     if device == "cpu":
         return np
-    try:
+    from cupyflash._cuda_env import gpu_status
+
+    reason = gpu_status()
+    if reason is None:
         import cupy
 
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception as e:  # no CUDA driver or device
-        if device == "gpu":
-            raise SystemExit(f"--device gpu: no usable CUDA device ({type(e).__name__}: {e})") from e
+        return cupy
     if device == "gpu":
-        raise SystemExit("--device gpu: no CUDA device")
+        raise SystemExit(f"--device gpu: {reason}")
+    print(f"no GPU: {reason}; training on the CPU with NumPy (slow at the default size: try "
+          "--n-layer 2 --n-head 2 --d-model 64 --seq-len 64 --batch 8 --steps 50)")
     return np
 
 
