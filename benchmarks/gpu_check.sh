@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, batched so that one call does a lot. Logs go to $OUT (or ./gpu_logs).
 #   bash benchmarks/gpu_check.sh tests      # whole test suite + every kernel under memcheck
+#   bash benchmarks/gpu_check.sh tests-par  # the same suite in parallel shards (first-use NVRTC compiles are
+#                                           # CPU-bound: shards compile on separate cores), then memcheck
 #   bash benchmarks/gpu_check.sh sanitize   # racecheck and initcheck too
 #   bash benchmarks/gpu_check.sh examples   # every example, train_gpt with both attentions
 #   bash benchmarks/gpu_check.sh bench      # the DESIGN grid against naive CuPy and SDPA
@@ -10,12 +12,25 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for mode in "${@:-tests}"; do
   case "$mode" in
   tests)
     python -m pytest -q -p no:cacheprovider -rfs tests 2>&1 | tee "$out/pytest.log" | tail -25
+    compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_smoke.py >"$out/memcheck.log" 2>&1
+    echo "compute-sanitizer memcheck: exit $?; $(tail -1 "$out/memcheck.log")" ;;
+  tests-par)
+    shards=("tests/test_gpu_attention.py -k portable" "tests/test_gpu_attention.py -k 'not portable and not wgmma'"
+            "tests/test_gpu_attention.py -k wgmma" "tests/test_variants_gpu.py -k portable"
+            "tests/test_variants_gpu.py -k 'not portable'"
+            "tests --ignore=tests/test_gpu_attention.py --ignore=tests/test_variants_gpu.py --ignore=tests/test_compile.py")
+    for i in "${!shards[@]}"; do
+      eval "python -m pytest -q -p no:cacheprovider -rfs ${shards[$i]}" >"$out/pytest_$i.log" 2>&1 &
+    done
+    wait
+    for i in "${!shards[@]}"; do echo "shard $i (${shards[$i]}): $(tail -1 "$out/pytest_$i.log")"; done
+    grep -h "^FAILED\|^ERROR" "$out"/pytest_*.log | head -40
     compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_smoke.py >"$out/memcheck.log" 2>&1
     echo "compute-sanitizer memcheck: exit $?; $(tail -1 "$out/memcheck.log")" ;;
   sanitize)

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
     p.delta[r] = sum;
     if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
       const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
-      atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
+      if (l != -CUDART_INF_F) atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
     }
   }
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + r * p.d);

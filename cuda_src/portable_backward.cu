@@ -1,16 +1,23 @@
 // Portable FlashAttention backward (FlashAttention-2 algorithm, SIMT, any NVIDIA GPU).
 //
-//   portable_bwd_delta : Delta = rowsum(dO * O) and lse2 = lse * log2(e), float32, one warp per row.
-//   portable_bwd_kv    : one block per (K_j/V_j tile, kv head, batch); dK_j, dV_j stay in registers
-//                        while the block walks the group's query heads and their Q_i tiles.
-//                        With a dq_acc buffer it also adds scale * dS K_j into dQ (float32 atomics).
-//   portable_bwd_dq    : the alternative to atomics: one block per Q_i tile recomputes S, P, dP,
-//                        dS against every K_j/V_j tile and writes dQ_i once.
-//   portable_bwd_dq_convert : float32 dQ accumulator to the input dtype (after the atomics).
+// Every kernel takes one `const __grid_constant__ AttentionParams p`; the main ones also a mask Policy.
 //
-// Recomputation: P = exp2(S * scale * log2e - lse2), dS = P * (dP - Delta), with P forced to 0
+//   portable_bwd_delta : Delta = rowsum(dO * O) and lse_log2 = lse * log2(e), float32, one warp per row
+//                        (1-D grid over p.rows); with attention sinks also each row's share of dsinks.
+//   portable_bwd_kv    : one block per (K_j/V_j tile, batch * kv head), 2-D grid via tile_coord(p);
+//                        dK_j, dV_j stay in registers while the block walks the group's query heads
+//                        and the Q_i tiles that the policy's queries_of(K_j keys) covers.
+//                        With p.dq_accum set it also adds scale * dS K_j into dQ (float32 atomics).
+//   portable_bwd_dq    : the alternative to atomics (p.dq_accum == nullptr): one block per (Q_i tile,
+//                        batch * query head) recomputes S, P, dP, dS against the K_j/V_j tiles of
+//                        keys_of(Q_i rows) and writes dQ_i once.
+//   portable_bwd_dq_convert : float32 dQ accumulator to the input dtype (after the atomics; 1-D grid).
+//
+// Recomputation: P = exp2(S * scale * log2e - lse_log2), dS = P * (dP - Delta), with P forced to 0
 // where the mask hides a key or lse = -inf (a row that saw no key), so such rows get zero
-// gradients and never NaN.
+// gradients and never NaN. A non-identity score policy replaces S * scale * log2e by its log2-unit
+// score (softcap, ALiBi) and multiplies dS by d(score)/d(scale q.k), both to float accuracy
+// (kFast = false). A sink needs nothing here: it lives in lse, and its gradient in the Delta kernel.
 #include "portable_tile.cuh"
 
 using namespace cupyflash;
@@ -18,70 +25,62 @@ using namespace cupyflash::portable;
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-portable_bwd_delta(const T* __restrict__ o, const T* __restrict__ dout, const float* __restrict__ lse,
-                   float* __restrict__ lse2, float* __restrict__ delta,
-                   long long sob, long long soh, long long son,
-                   long long sdb, long long sdh, long long sdn,
-                   long long slb, long long slh, long long sln,
-                   int hq, int nq, int d, long long rows) {
+portable_bwd_delta(const __grid_constant__ AttentionParams p) {
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
+    if (row >= p.rows) return;
     const int lane = threadIdx.x % 32;
+    const int hq = p.hq, nq = p.nq;
     const long long b = row / ((long long)hq * nq);
     const int h = (int)(row / nq % hq), n = (int)(row % nq);
-    const T* orow = o + b * sob + h * soh + n * son;
-    const T* drow = dout + b * sdb + h * sdh + n * sdn;
+    const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + n * p.o_s.n;
+    const T* drow = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + n * p.dout_s.n;
     float acc = 0.f;
-    for (int c = lane; c < d; c += 32) acc = fmaf(to_float<T>(orow[c]), to_float<T>(drow[c]), acc);
+    for (int c = lane; c < p.d; c += 32) acc = fmaf(to_float<T>(orow[c]), to_float<T>(drow[c]), acc);
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     if (lane == 0) {
-        delta[row] = acc;
-        lse2[row] = lse[b * slb + h * slh + n * sln] * kLog2e;  // -inf stays -inf
+        const float lse = p.lse[b * p.lse_s.b + h * p.lse_s.h + n * p.lse_s.n];
+        p.delta[row] = acc;
+        p.lse_log2[row] = lse * kLog2e;  // -inf stays -inf
+        // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse); a -inf sink of a row
+        // that saw no key (lse = -inf) adds 0, not NaN.
+        if (p.dsinks != nullptr) atomicAdd(p.dsinks + h, lse == neg_inf() ? 0.f : -expf(p.sinks[h] - lse) * acc);
     }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-portable_bwd_dq_convert(const float* __restrict__ dq_acc, T* __restrict__ dq,
-                        long long sb, long long sh, long long sn, int hq, int nq, int d, long long total) {
+portable_bwd_dq_convert(const __grid_constant__ AttentionParams p) {
+    const float* __restrict__ dq_acc = p.dq_accum;
+    T* __restrict__ dq = static_cast<T*>(p.dq);
+    const int hq = p.hq, nq = p.nq, d = p.d;
+    const long long total = p.rows * d;  // the dense (B * Hq * Nq, D) accumulator
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
         const int c = (int)(idx % d);
         const long long row = idx / d;
         const int n = (int)(row % nq), h = (int)(row / nq % hq);
         const long long b = row / ((long long)nq * hq);
-        dq[b * sb + h * sh + n * sn + c] = from_float<T>(dq_acc[idx]);
+        dq[b * p.dq_s.b + h * p.dq_s.h + n * p.dq_s.n + c] = from_float<T>(dq_acc[idx]);
     }
 }
-
-// Which (key, query row) pairs of a tile the mask hides; `masked` is false for interior tiles,
-// so they skip the per-element test.
-struct MaskInfo {
-    bool masked;  // does this tile cross the diagonal or an edge?
-    int causal, nk, off;
-    __device__ __forceinline__ bool hidden(int key, int qrow) const {
-        return masked && (key >= nk || (causal && key > qrow + off));
-    }
-};
 
 // ------------------------------------------------------------------------------ dK, dV (+ dQ atomics)
 
 // Threads = BC / TM * LANES. Rows of the S-like tiles are keys (TM per thread), columns are
 // queries (TN = BR / LANES per thread). The optional dQ partial product regroups the same
 // threads over the BR query rows (TMQ rows per thread, LANESQ lanes per row).
-template <typename T, int DP, int BC, int BR, int TM, int LANES>
+template <typename T, int DP, int BC, int BR, int TM, int LANES, class Policy>
 __global__ void __launch_bounds__(BC / TM * LANES, 1)
-portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
-                T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
-                long long sqb, long long sqh, long long sqn,
-                long long skb, long long skh, long long skn,
-                long long svb, long long svh, long long svn,
-                long long sdb, long long sdh, long long sdn,
-                long long sdkb, long long sdkh, long long sdkn,
-                long long sdvb, long long sdvh, long long sdvn,
-                int nq, int nk, int d, int group, int causal, float scale_log2, float scale, int vec) {
+portable_bwd_kv(const __grid_constant__ AttentionParams p) {
+    const T* __restrict__ q = static_cast<const T*>(p.q);
+    const T* __restrict__ dout = static_cast<const T*>(p.dout);
+    const float* __restrict__ lse2 = p.lse_log2;
+    const float* __restrict__ delta = p.delta;
+    float* __restrict__ dq_acc = p.dq_accum;
+    const long long sqn = p.q_s.n, sdn = p.dout_s.n;
+    const int nq = p.nq, nk = p.nk, d = p.d, group = p.group;
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     constexpr int THREADS = BC / TM * LANES;
     constexpr int TN = BR / LANES;
     constexpr int DT = DP / LANES;
@@ -108,31 +107,35 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     float* lse2s = dSts + BC * LDS;
     float* deltas = lse2s + BR;
 
+    const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
-    const int c0 = blockIdx.x * BC, hk = blockIdx.y, b = blockIdx.z;
-    const int hq = gridDim.y * group;
-    const bool v16 = vec != 0;
-    const int off = nk - nq;
+    const int c0 = tc.tile * BC, b = tc.bh / p.hk, hk = tc.bh % p.hk;
+    const int hq = p.hq;
+    const bool v16 = p.vec != 0;
+    Policy pol(p);
 
-    load_tile<T, BC, DP, THREADS>(Ks, k + b * skb + hk * skh + c0 * skn, skn, nk - c0, d, v16);
-    load_tile<T, BC, DP, THREADS>(Vs, v + b * svb + hk * svh + c0 * svn, svn, nk - c0, d, v16);
+    load_tile<T, BC, DP, THREADS>(Ks, static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + c0 * p.k_s.n, p.k_s.n,
+                                  nk - c0, d, v16);
+    load_tile<T, BC, DP, THREADS>(Vs, static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + c0 * p.v_s.n, p.v_s.n,
+                                  nk - c0, d, v16);
 
     float dk_acc[TM][DT], dv_acc[TM][DT];
     zero(dk_acc);
     zero(dv_acc);
 
-    // Causal: query rows below c0 - off see none of these keys; their tiles are skipped.
-    const int i_begin = causal ? max(0, c0 - off) / BR : 0;
-    const int n_qtiles = cdiv(nq, BR);
+    // Only the query tiles with a row that may see some key of K_j (under causal, none wholly above
+    // the diagonal).
+    const Range qt = tiles_covering(pol.mask.queries_of(c0, c0 + BC), BR);
 
 #pragma unroll 1
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
-        const T* qh = q + b * sqb + h * sqh;
-        const T* dh = dout + b * sdb + h * sdh;
+        const T* qh = q + b * p.q_s.b + h * p.q_s.h;
+        const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h;
         const long long rowbase = ((long long)b * hq + h) * nq;
+        pol.score.at_head(p, b, h);  // ALiBi slope of this query head
 #pragma unroll 1
-        for (int it = i_begin; it < n_qtiles; ++it) {
+        for (int it = qt.begin; it < qt.end; ++it) {
             const int r0 = it * BR;
             __syncthreads();  // previous tile's products are done with Qs, dOs, Pts, dSts
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
@@ -150,7 +153,8 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Ks + g * TM * LDD, Qs + lane * LDD);    // S^T = K Q^T
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(dp, Vs + g * TM * LDD, dOs + lane * LDD);  // dP^T = V dO^T
 
-            const MaskInfo mi{c0 + BC > nk || (causal && c0 + BC - 1 > r0 + off), causal, nk, off};
+            // Only partial tiles (the end of the keys, the diagonal) test elements.
+            const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 const int key = c0 + g * TM + i;
@@ -158,10 +162,15 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 for (int t = 0; t < TN; ++t) {
                     const int qc = lane + t * LANES;
                     const float L = lse2s[qc];
-                    const bool zero_p = L == neg_inf() || mi.hidden(key, r0 + qc);
-                    const float p = zero_p ? 0.f : exp2f(s[i][t] * scale_log2 - L);
-                    Pts[(g * TM + i) * LDS + qc] = p;
-                    dSts[(g * TM + i) * LDS + qc] = p * (dp[i][t] - deltas[qc]);
+                    const bool zero_p = L == neg_inf() || (masked && !pol.mask.visible(r0 + qc, key));
+                    float x;
+                    if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
+                    else x = pol.score.template log2_score<false>(s[i][t], r0 + qc, key);
+                    const float pij = zero_p ? 0.f : exp2f(x - L);
+                    Pts[(g * TM + i) * LDS + qc] = pij;
+                    float ds = pij * (dp[i][t] - deltas[qc]);
+                    if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + qc, key);
+                    dSts[(g * TM + i) * LDS + qc] = ds;
                 }
             }
             __syncthreads();
@@ -193,8 +202,10 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int i = 0; i < TM; ++i) {
         const int key = c0 + g * TM + i;
         if (key < nk) {
-            store_row<T, DT, VEC, LANES>(dk + b * sdkb + hk * sdkh + key * sdkn, dk_acc[i], scale, lane, d, v16);
-            store_row<T, DT, VEC, LANES>(dv + b * sdvb + hk * sdvh + key * sdvn, dv_acc[i], 1.f, lane, d, v16);
+            T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hk * p.dk_s.h + key * p.dk_s.n;
+            T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hk * p.dv_s.h + key * p.dv_s.n;
+            store_row<T, DT, VEC, LANES>(dk_row, dk_acc[i], scale, lane, d, v16);
+            store_row<T, DT, VEC, LANES>(dv_row, dv_acc[i], 1.f, lane, d, v16);
         }
     }
 }
@@ -202,17 +213,14 @@ portable_bwd_kv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 // ------------------------------------------------------------------------------ dQ, separate pass
 
 // Threads = BR / TM * LANES; rows are queries, columns keys (TN = BC / LANES per thread).
-template <typename T, int DP, int BR, int BC, int TM, int LANES>
+template <typename T, int DP, int BR, int BC, int TM, int LANES, class Policy>
 __global__ void __launch_bounds__(BR / TM * LANES, 1)
-portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ dout, const float* __restrict__ lse2, const float* __restrict__ delta,
-                T* __restrict__ dq,
-                long long sqb, long long sqh, long long sqn,
-                long long skb, long long skh, long long skn,
-                long long svb, long long svh, long long svn,
-                long long sdb, long long sdh, long long sdn,
-                long long sdqb, long long sdqh, long long sdqn,
-                int nq, int nk, int d, int group, int causal, float scale_log2, float scale, int vec) {
+portable_bwd_dq(const __grid_constant__ AttentionParams p) {
+    const float* __restrict__ lse2 = p.lse_log2;
+    const float* __restrict__ delta = p.delta;
+    const long long skn = p.k_s.n, svn = p.v_s.n;
+    const int nq = p.nq, nk = p.nk, d = p.d;
+    const float scale_log2 = p.scale_log2;
     constexpr int THREADS = BR / TM * LANES;
     constexpr int TN = BC / LANES;
     constexpr int DT = DP / LANES;
@@ -232,29 +240,33 @@ portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     float* lse2s = dSs + BR * LDS;
     float* deltas = lse2s + BR;
 
+    const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
-    const int r0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    const bool v16 = vec != 0;
-    const int off = nk - nq;
-    const long long rowbase = ((long long)b * gridDim.y + h) * nq;
+    const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
+    const bool v16 = p.vec != 0;
+    Policy pol(p);
+    pol.score.at_head(p, b, h);
+    const long long rowbase = ((long long)b * p.hq + h) * nq;
 
-    load_tile<T, BR, DP, THREADS>(Qs, q + b * sqb + h * sqh + r0 * sqn, sqn, nq - r0, d, v16);
-    load_tile<T, BR, DP, THREADS>(dOs, dout + b * sdb + h * sdh + r0 * sdn, sdn, nq - r0, d, v16);
+    const T* qi = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n;
+    const T* doi = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + r0 * p.dout_s.n;
+    load_tile<T, BR, DP, THREADS>(Qs, qi, p.q_s.n, nq - r0, d, v16);
+    load_tile<T, BR, DP, THREADS>(dOs, doi, p.dout_s.n, nq - r0, d, v16);
     if (tid < BR) {
         const bool in = r0 + tid < nq;
         lse2s[tid] = in ? lse2[rowbase + r0 + tid] : neg_inf();
         deltas[tid] = in ? delta[rowbase + r0 + tid] : 0.f;
     }
-    const T* kb = k + b * skb + hk * skh;
-    const T* vb = v + b * svb + hk * svh;
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
 
     float acc[TM][DT];
     zero(acc);
-    const int kv_end = causal ? min(nk, min(r0 + BR, nq) + off) : nk;
-    const int n_tiles = kv_end > 0 ? cdiv(kv_end, BC) : 0;
+    // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
+    const Range kt = tiles_covering(pol.mask.keys_of(r0, r0 + BR), BC);
 
 #pragma unroll 1
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();
         load_tile<T, BC, DP, THREADS>(Ks, kb + c0 * skn, skn, nk - c0, d, v16);
@@ -267,7 +279,8 @@ portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Qs + g * TM * LDD, Ks + lane * LDD);    // S = Q K^T
         mma_abT<TM, TN, DP, LDD, LDD, LANES>(dp, dOs + g * TM * LDD, Vs + lane * LDD);  // dP = dO V^T
 
-        const MaskInfo mi{c0 + BC > nk || (causal && c0 + BC - 1 > r0 + off), causal, nk, off};
+        // Only partial tiles (the end of the keys, the diagonal) test elements.
+        const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int rl = g * TM + i;
@@ -275,9 +288,14 @@ portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
             for (int t = 0; t < TN; ++t) {
                 const int kc = lane + t * LANES;
-                const bool zero_p = L == neg_inf() || mi.hidden(c0 + kc, r0 + rl);
-                const float p = zero_p ? 0.f : exp2f(s[i][t] * scale_log2 - L);
-                dSs[rl * LDS + kc] = p * (dp[i][t] - dl);
+                const bool zero_p = L == neg_inf() || (masked && !pol.mask.visible(r0 + rl, c0 + kc));
+                float x;
+                if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
+                else x = pol.score.template log2_score<false>(s[i][t], r0 + rl, c0 + kc);
+                const float pij = zero_p ? 0.f : exp2f(x - L);
+                float ds = pij * (dp[i][t] - dl);
+                if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + rl, c0 + kc);
+                dSs[rl * LDS + kc] = ds;
             }
         }
         __syncthreads();
@@ -287,6 +305,8 @@ portable_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = r0 + g * TM + i;
-        if (row < nq) store_row<T, DT, VEC, LANES>(dq + b * sdqb + h * sdqh + row * sdqn, acc[i], scale, lane, d, v16);
+        if (row < nq)
+            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + row * p.dq_s.n, acc[i],
+                                         p.scale, lane, d, v16);
     }
 }

@@ -1,14 +1,19 @@
 // Portable FlashAttention forward (FlashAttention-2 algorithm, SIMT, any NVIDIA GPU).
 //
-// One block per (Q_i tile, query head, batch). Q_i stays in shared memory; the block walks
-// the K_j / V_j tiles, keeping the running row max m (log2 units), the running sum l and
-// the unnormalised O_i in registers; O_i and lse are written once at the end.
+// One block per (Q_i tile, batch * query head): a 2-D grid decoded by tile_coord(p), in either order
+// (p.heads_fastest). Q_i stays in shared memory; the block walks, in increasing order, the K_j / V_j
+// tiles that the mask policy's keys_of(Q_i rows) covers, keeping the running row max m (log2 units),
+// the running sum l and the unnormalised O_i in registers; O_i and lse are written once at the end.
 //
 // Template parameters: element type T, padded head dim DP (a multiple of 32), query rows BR
 // and key columns BC per tile, TM query rows per thread, LANES threads per row group
 // (see portable_tile.cuh for who owns what), and MIN_BLOCKS: blocks per SM that the register
 // allocation must allow (ptxas otherwise trades occupancy away, or spills a few bytes to reach
-// a register target of its own). Threads = BR / TM * LANES.
+// a register target of its own), then the variant Policy (mask and score). Threads = BR / TM * LANES.
+//
+// Variants: a non-identity score policy maps each raw q . k to its final log2-unit score (softcap,
+// ALiBi) with the accurate tanhf/log2f, since float32 results are held to 1e-5 of a float64 reference;
+// an attention sink starts each row's softmax at the sink's logit with sum 1.
 //
 // Measured on an H200 (fp32, D=128): prefetching K_j+1 / V_j into registers during the
 // products was slower (29 vs 34 TFLOP/s; the extra registers cost a block per SM), so the
@@ -18,16 +23,9 @@
 using namespace cupyflash;
 using namespace cupyflash::portable;
 
-template <typename T, int DP, int BR, int BC, int TM, int LANES, int MIN_BLOCKS>
+template <typename T, int DP, int BR, int BC, int TM, int LANES, int MIN_BLOCKS, class Policy>
 __global__ void __launch_bounds__(BR / TM * LANES, MIN_BLOCKS)
-portable_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-             float* __restrict__ lse,
-             long long sqb, long long sqh, long long sqn,
-             long long skb, long long skh, long long skn,
-             long long svb, long long svh, long long svn,
-             long long sob, long long soh, long long son,
-             long long slb, long long slh, long long sln,
-             int nq, int nk, int d, int group, int causal, float scale_log2, int vec) {
+portable_fwd(const __grid_constant__ AttentionParams p) {
     constexpr int THREADS = BR / TM * LANES;
     constexpr int TN = BC / LANES;  // S columns per thread
     constexpr int DT = DP / LANES;  // O columns per thread
@@ -44,38 +42,55 @@ portable_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
     float* KVs = Qs + BR * LDD;
     float* Ps = KVs + BC * LDD;
 
+    const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
     const int lane = threadIdx.x % LANES, g = threadIdx.x / LANES;
-    const int r0 = blockIdx.x * BR, h = blockIdx.y, b = blockIdx.z, hk = h / group;
-    const bool v16 = vec != 0;
-    const int off = nk - nq;  // causal: row r sees keys <= r + off (bottom-right aligned)
+    const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
+    const int nq = p.nq, nk = p.nk, d = p.d;
+    const float scale_log2 = p.scale_log2;
+    const bool v16 = p.vec != 0;
+    Policy pol(p);
+    pol.score.at_head(p, b, h);
 
-    const T* kb = k + b * skb + hk * skh;
-    const T* vb = v + b * svb + hk * svh;
-    load_tile<T, BR, DP, THREADS>(Qs, q + b * sqb + h * sqh + r0 * sqn, sqn, nq - r0, d, v16);
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
+    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n, p.q_s.n,
+                                  nq - r0, d, v16);
 
     float acc[TM][DT];
     zero(acc);
     float m[TM], l[TM];  // m: row max of scaled scores in log2 units; l: this thread's part of the row sum
+    // A sink is one more logit in every row: m starts at it and l at its exp2(0) = 1, held by lane 0
+    // only since l is a partial sum over the row group (group_sum at the end).
+    const float sink = sink_log2(p, h);
+    const float l0 = (lane == 0 && sink != neg_inf()) ? 1.f : 0.f;
 #pragma unroll
-    for (int i = 0; i < TM; ++i) { m[i] = neg_inf(); l[i] = 0.f; }
+    for (int i = 0; i < TM; ++i) { m[i] = sink; l[i] = l0; }
 
-    // Tiles entirely above the diagonal are never visited.
-    const int kv_end = causal ? min(nk, min(r0 + BR, nq) + off) : nk;
-    const int n_tiles = kv_end > 0 ? cdiv(kv_end, BC) : 0;
+    // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
+    const Range kt = tiles_covering(pol.mask.keys_of(r0, r0 + BR), BC);
 
 #pragma unroll 1
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();  // previous P V done with KVs and Ps
-        load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * skn, skn, nk - c0, d, v16);
+        load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, nk - c0, d, v16);
         __syncthreads();
 
         float s[TM][TN];
         zero(s);
         mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Qs + g * TM * LDD, KVs + lane * LDD);
 
-        // Only the tile holding the end of the keys or crossing the diagonal needs a mask.
-        const bool masked = c0 + BC > nk || (causal && c0 + BC - 1 > r0 + off);
+        // Score variants (softcap, ALiBi) in place, in their own pass: fused into the masking loop below,
+        // the D=64 Window tile spilled on sm_90a at its 168-register cap.
+        if constexpr (!Policy::Score::kIdentity) {
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int t = 0; t < TN; ++t)
+                    s[i][t] = pol.score.template log2_score<false>(s[i][t], r0 + g * TM + i, c0 + lane + t * LANES);
+        }
+        // Only partial tiles (the end of the keys, the diagonal) test elements.
+        const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const int row = r0 + g * TM + i;
@@ -83,8 +98,9 @@ portable_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
 #pragma unroll
             for (int t = 0; t < TN; ++t) {
                 const int key = c0 + lane + t * LANES;
-                float x = s[i][t] * scale_log2;
-                if (masked && (key >= nk || (causal && key > row + off))) x = neg_inf();
+                float x = s[i][t];
+                if constexpr (Policy::Score::kIdentity) x *= scale_log2;
+                if (masked && !pol.mask.visible(row, key)) x = neg_inf();
                 s[i][t] = x;
                 mx = fmaxf(mx, x);
             }
@@ -95,9 +111,9 @@ portable_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             float sum = 0.f;
 #pragma unroll
             for (int t = 0; t < TN; ++t) {
-                const float p = exp2f(s[i][t] - m_use);
-                sum += p;
-                Ps[(g * TM + i) * LDP + lane + t * LANES] = p;
+                const float pij = exp2f(s[i][t] - m_use);
+                sum += pij;
+                Ps[(g * TM + i) * LDP + lane + t * LANES] = pij;
             }
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;
@@ -105,21 +121,23 @@ portable_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
             for (int c = 0; c < DT; ++c) acc[i][c] *= alpha;
         }
         __syncthreads();  // all of S done with K_j; P complete
-        load_tile<T, BC, DP, THREADS>(KVs, vb + c0 * svn, svn, nk - c0, d, v16);
+        load_tile<T, BC, DP, THREADS>(KVs, vb + c0 * p.v_s.n, p.v_s.n, nk - c0, d, v16);
         __syncthreads();
         mma_ab<TM, DT, LANES, BC, LDP, LDD>(acc, Ps + g * TM * LDP, KVs + lane * VEC);
     }
 
-    // Epilogue: O_i = acc / l, lse = ln(2^m * l). A row with no visible key gets 0 and -inf.
+    // Epilogue: O_i = acc / l, lse = ln(2^m * l). A row with no visible key and no sink gets 0 and -inf.
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = r0 + g * TM + i;
         const float lt = group_sum<LANES>(l[i]);
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
         if (row < nq) {
-            store_row<T, DT, VEC, LANES>(o + b * sob + h * soh + row * son, acc[i], inv, lane, d, v16);
+            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + row * p.o_s.n, acc[i], inv,
+                                         lane, d, v16);
             if (lane == 0)
-                lse[b * slb + h * slh + row * sln] = lt > 0.f ? m[i] * 0.6931471805599453f + logf(lt) : neg_inf();
+                p.lse[b * p.lse_s.b + h * p.lse_s.h + row * p.lse_s.n] =
+                    lt > 0.f ? m[i] * 0.6931471805599453f + logf(lt) : neg_inf();
         }
     }
 }

@@ -12,7 +12,12 @@
 //     chunks of VEC contiguous floats, chunk c at c*LANES*VEC + lane*VEC, so a group's reads
 //     of one B row are contiguous float4 (or float2) loads.
 // Every shared-memory value read is reused TM or TN (resp. DT) times from registers.
+//
+// Kernels take one `const __grid_constant__ AttentionParams p` and a variant Policy (attention_policy.cuh):
+// its mask decides which tiles are visited and which elements are hidden, its score rule maps q . k to
+// the score (softcap, ALiBi); attention sinks come from p.
 #pragma once
+#include "attention_policy.cuh"
 #include "common.cuh"
 
 namespace cupyflash {

@@ -4,6 +4,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import reference
+from ._cuda_env import gpu_status
 from .api import attention, attention_backward, attention_forward, attention_vjp
 from .linear_api import (
     linear_attention,
@@ -22,5 +23,6 @@ __all__ = [
     "linear_attention_backward",
     "linear_attention_vjp",
     "reference",
+    "gpu_status",
     "__version__",
 ]

@@ -60,7 +60,8 @@ class _Prepared:
 
     __slots__ = ("p", "family", "geometry", "plan", "copy")
 
-    def __init__(self, p: AttentionProblem, family: Any, geometry: Geometry, plan: CallPlan, copy: tuple[str, ...]):
+    def __init__(self, p: AttentionProblem, family: Any, geometry: Geometry, plan: CallPlan | None,
+                 copy: tuple[str, ...]):  # fmt: skip
         self.p, self.family, self.geometry, self.plan, self.copy = p, family, geometry, plan, copy
 
 
@@ -94,7 +95,8 @@ def _prepare(
         layout["alibi"] = _head_layout("alibi", extra["alibi"], len(p.batch))
     g = _geometry(p, layout)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is allocated
-    return _Prepared(p, family, g, make_plan(family, p, g, limits), copy)
+    empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
+    return _Prepared(p, family, g, None if empty else make_plan(family, p, g, limits), copy)
 
 
 def _inputs(prep: _Prepared, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -154,9 +156,9 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
     p = prep.p
     o = cupy.empty(q.shape, dtype=p.dtype)
     lse = cupy.empty(q.shape[:-1], dtype=_FLOAT32)
-    if o.size == 0:
+    if prep.plan is None and o.size == 0:
         return o, lse
-    if p.nk == 0:  # no key at all: every row is fully masked (its sink alone, if any, takes the softmax)
+    if prep.plan is None:  # no key at all: every row is fully masked (its sink alone, if any, takes the softmax)
         o.fill(0)
         if sinks is None:
             lse.fill(-np.inf)
@@ -191,7 +193,7 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     dv = cupy.empty(v.shape, dtype=p.dtype)
     dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    if p.nq == 0 or p.nk == 0 or p.batch_size == 0:
+    if prep.plan is None:
         for g in (dq, dk, dv):
             g.fill(0)
         if dsinks is not None and p.nq and p.batch_size:  # every row is its sink alone: P_sink = 1

@@ -236,7 +236,7 @@ def tiled_attention_forward(
         m = xp.full(Q_i.shape[:-1] + (1,), NEG_INF)
         l = xp.zeros(Q_i.shape[:-1] + (1,))
         if sink is not None:
-            m = m + 0.0 + sink  # broadcast: every row starts at its head's sink, with exp(0) = 1 in l
+            m = xp.zeros(m.shape) + sink  # every row starts at its head's sink, with exp(0) = 1 in l
             l = l + 1.0
         acc = xp.zeros(Q_i.shape)
         for j0 in range(0, p.nk, block_k):

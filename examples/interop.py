@@ -16,7 +16,7 @@ import os
 import sys
 
 import cupyflash as cf
-from cupyflash._cuda_env import gpu_status
+from cupyflash import gpu_status
 
 if __name__ == "__main__" and (_reason := gpu_status()) is not None:
     print(f"skipped: interop.py needs an NVIDIA GPU (no GPU: {_reason})")

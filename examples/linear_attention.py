@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from cupyflash._cuda_env import gpu_status
+from cupyflash import gpu_status
 
 if (_reason := gpu_status()) is not None:
     print(f"skipped: linear_attention.py needs an NVIDIA GPU (no GPU: {_reason})")

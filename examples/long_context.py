@@ -18,7 +18,7 @@ import numpy as np
 
 import cupyflash as cf
 from cupyflash import _dtypes
-from cupyflash._cuda_env import gpu_status
+from cupyflash import gpu_status
 
 if __name__ == "__main__" and (_reason := gpu_status()) is not None:
     print(f"skipped: long_context.py needs an NVIDIA GPU (no GPU: {_reason})")

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 import cupyflash as cf
-from cupyflash._cuda_env import gpu_status
+from cupyflash import gpu_status
 
 
 def rel_err(x, ref) -> float:

@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def pick_xp(device: str) -> Any:
     if device == "cpu":
         return np
-    from cupyflash._cuda_env import gpu_status
+    from cupyflash import gpu_status
 
     reason = gpu_status()
     if reason is None:

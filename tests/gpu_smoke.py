@@ -30,12 +30,17 @@ def main() -> int:
             k = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
             v = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
             do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
-            o, lse = cupyflash.attention_forward(q, k, v, causal=causal, kernel=kernel)
-            grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel)
-            finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
-            print(f"{kernel:8s} {str(dtype):8s} hq={hq} hk={hk} nq={nq} nk={nk} d={d} causal={causal}: "
-                  f"{'ok' if finite else 'NON-FINITE'}")
-            bad += not finite
+            # The plain call, then every variant policy at once: a window, softcap, ALiBi and sinks.
+            slopes = cupy.asarray(rng.random(hq).astype(np.float32))
+            sinks = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+            for label, kw in (("plain", {}), ("variants", dict(window_size=(9, 5), softcap=20.0,
+                                                                alibi_slopes=slopes, sinks=sinks))):
+                o, lse = cupyflash.attention_forward(q, k, v, causal=causal, kernel=kernel, **kw)
+                grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, **kw)
+                finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
+                print(f"{kernel:8s} {str(dtype):8s} hq={hq} hk={hk} nq={nq} nk={nk} d={d} causal={causal} {label}: "
+                      f"{'ok' if finite else 'NON-FINITE'}")
+                bad += not finite
     try:
         from cupyflash import linear_attention_backward, linear_attention_forward
     except ImportError:

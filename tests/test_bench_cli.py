@@ -451,3 +451,120 @@ def test_overhead_table_and_json(tmp_path):
     bench.report.write_json(recs, str(path))
     got = json.loads(path.read_text())
     assert set(got[0]) == set(bench.JSON_KEYS) and got[0]["kind"] == "overhead" and got[0]["gpu_ms"] == 0.0071
+
+
+# ---------------------------------------------------------------------------- variants suite
+
+
+def test_variants_suite_lists_its_rows_without_a_gpu(capsys):
+    o = bench.parse_args(["--suite", "variants"], has_torch=False)
+    assert len(o.shapes) == 8 and {s.dtype for s in o.shapes} == {"bfloat16"}
+    assert all(s.b * s.n == 16384 and s.h * s.d == 2048 for s in o.shapes)
+    assert {(s.n, s.d) for s in o.shapes} == {(4096, 64), (4096, 128), (16384, 64), (16384, 128)}
+    assert bench.main(["--suite", "variants", "--list", "--compare", "none", "--d", "128", "--n", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "visible pairs" in out and "Flex" not in out
+    shape = "bfloat16 B=1 H=16 N=16384 D=128"
+    for case in ("plain", "plain causal", "window 1024 causal", "softcap 50", "alibi causal", "sinks causal"):
+        for p in ("fwd", "bwd"):
+            assert f"  {case} {shape} {p}: " in out
+    assert len(out.strip().splitlines()) == 1 + 6 * 2
+    assert f"  plain {shape} fwd: 2199.0 GFLOP" in out  # 4 * 16 * 128 * 16384^2
+    with pytest.raises(SystemExit):  # its rows have their own table: it runs alone
+        bench.parse_args(["--suite", "variants,grid"], has_torch=False)
+
+
+def test_variants_filters_pick_cases_by_causality_and_pass():
+    from cupyflash.bench.variants import plan_rows
+
+    o = bench.parse_args(["--suite", "variants", "--causal", "0", "--passes", "bwd", "--n", "4096"], has_torch=True)
+    rows = plan_rows(o.shapes, o.passes)
+    assert [(r.case.name, r.shape.d, r.pass_) for r in rows] == [
+        ("plain", 64, "bwd"), ("softcap 50", 64, "bwd"), ("plain", 128, "bwd"), ("softcap 50", 128, "bwd")]
+    assert "FlexAttention alongside" in bench.cli.format_plan(o)
+
+
+@pytest.mark.parametrize("nq,nk", [(7, 7), (5, 9), (9, 5), (64, 64)])
+def test_visible_pairs_match_the_dense_rule_and_keys_of(nq, nk):
+    from cupyflash.bench.variants import CASES, visible_pairs
+    from cupyflash.variants import Variant
+
+    variants = [c.variant for c in CASES] + [Variant.of(False, (3, 2), 0.0, False, False),
+                                             Variant.of(False, (-1, 0), 0.0, False, False),
+                                             Variant.of(True, (0, 0), 0.0, False, False)]  # fmt: skip
+    for v in variants:
+        dense = int(v.visible(np, np.arange(nq), np.arange(nk), nq, nk).sum())
+        rows = sum(max(0, e - b) for b, e in (v.keys_of(i, i + 1, nq, nk) for i in range(nq)))
+        assert visible_pairs(v, nq, nk) == dense == rows, v
+    window = CASES[2].variant  # (1024, 0) at 16k: each row sees min(i + 1, 1025) keys
+    assert visible_pairs(window, 16384, 16384) == 1025 * 16384 - 1024 * 1025 // 2
+    assert visible_pairs(CASES[1].variant, 16384, 16384) == 16384 * 16385 // 2
+
+
+def _variants_records(rows):
+    """Fake timings: ours takes as long as its visible area at 400 TFLOP/s fwd, Flex twice as long."""
+    from cupyflash.bench.variants import _record
+
+    out = []
+    for r in rows:
+        ms = r.flops / 400e12 * 1e3 * (1.25 if r.case.key == "alibi" else 1.0)
+        out.append(_record(r, "cupyflash", ENV, status="ok", median_ms=ms, tflops=timing.tflops(r.flops, ms), runs=50))
+        if r.case.flex:
+            out.append(_record(r, "flex", ENV, status="ok", median_ms=2 * ms, tflops=timing.tflops(r.flops, 2 * ms)))
+        else:
+            out.append(_record(r, "flex", ENV, status="n/a", note="Flex cannot add a sink logit"))
+    return out
+
+
+def test_variants_table_ratios_notes_and_json(tmp_path):
+    from cupyflash.bench.variants import format_variants_table, plan_rows
+
+    rows = plan_rows(bench.parse_args(["--suite", "variants", "--d", "128", "--n", "16384"], has_torch=False).shapes,
+                     ("fwd", "bwd"))  # fmt: skip
+    recs = _variants_records(rows)
+    lines = format_variants_table(recs, rows).splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "row", "pass", "ours ms", "ours TFLOP/s", "vs plain", "Flex ms", "Flex/ours time"]
+    cells = {tuple(c.strip() for c in line.strip("|").split("|"))[:2]: [c.strip() for c in line.strip("|").split("|")]
+             for line in lines[2:2 + len(rows)]}  # fmt: skip
+    shape = "bfloat16 B=1 H=16 N=16384 D=128"
+    assert cells[(f"plain {shape}", "fwd")][3:] == ["400.0", "1.00x", f"{2 * 2199.0 / 400:.3f}", "2.00x"]
+    assert cells[(f"alibi causal {shape}", "bwd")][3:5] == ["320.0", "0.80x"]
+    assert cells[(f"sinks causal {shape}", "fwd")][5:] == ["n/a", "-"]
+    assert len({len(line) for line in lines[:2 + len(rows)]}) == 1  # aligned
+    notes = [line for line in lines if line.startswith("- window 1024")]
+    assert "- flex n/a: Flex cannot add a sink logit" in lines
+    assert len(notes) == 2 and "8.3x faster than plain causal (visible-area ratio 8.3x)" in notes[0]
+    assert "16.5x faster than plain full (visible-area ratio 16.5x)" in notes[0]
+    path = tmp_path / "v.json"
+    bench.report.write_json(recs, str(path))
+    got = json.loads(path.read_text())
+    assert all(set(r) == set(bench.JSON_KEYS) and r["kind"] == "variants" for r in got)
+    assert {r["workload"] for r in got} == {"softmax+plain", "softmax+causal", "softmax+window1024",
+                                            "softmax+softcap50", "softmax+alibi", "softmax+sinks"}  # fmt: skip
+
+
+def test_run_variants_records_without_a_gpu(monkeypatch):
+    """The record flow of run_variants, with the GPU parts replaced: every (row, impl) gets one record,
+    Flex's say n/a with the reason when it is missing."""
+    from cupyflash.bench import device, variants
+
+    calls = []
+    monkeypatch.setattr(variants, "inputs", lambda shape, seed: {})
+    monkeypatch.setattr(variants, "ours", lambda case, p, x: calls.append((case.key, p)) or (lambda: None))
+    monkeypatch.setattr(variants, "median_ms", lambda call, clock, context: (2.0, 50))
+    monkeypatch.setattr(variants.timing, "CupyClock", lambda: None)
+    monkeypatch.setattr(device, "free_device_memory", lambda: None)
+    rows = variants.plan_rows(bench.parse_args(["--suite", "variants", "--n", "4096"], has_torch=True).shapes,
+                              ("fwd", "bwd"))  # fmt: skip
+    saved = []
+    recs = variants.run_variants(rows, True, "no torch here", 0, ENV, lambda m: None,
+                                 lambda r: saved.append(len(r)))
+    assert len(recs) == 2 * len(rows) == 2 * 2 * 6 * 2
+    assert saved == [8, 24, 32, 48]  # per (n, d) shape: 2 full cases, then 4 causal ones
+    ours = [r for r in recs if r.impl == "cupyflash"]
+    assert all(r.status == "ok" and r.median_ms == 2.0 and r.runs == 50 for r in ours)
+    assert all(r.status == "n/a" and r.note == "no torch here" for r in recs if r.impl == "flex")
+    assert len(calls) == len(rows)
+    recs = variants.run_variants(rows, False, None, 0, ENV, lambda m: None)
+    assert {r.impl for r in recs} == {"cupyflash"}

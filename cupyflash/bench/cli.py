@@ -19,6 +19,7 @@ from .shapes import (
     long_shapes,
     overhead_shapes,
     quick_shapes,
+    variants_shapes,
 )
 
 # ---------------------------------------------------------------------------- arguments
@@ -29,7 +30,9 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "long": long_shapes,
     "quick": quick_shapes,
     "overhead": overhead_shapes,  # host time of tiny calls (bench/overhead.py); runs alone
+    "variants": variants_shapes,  # window, softcap, ALiBi, sinks against plain and Flex (bench/variants.py); alone
 }
+ALONE_SUITES = ("overhead", "variants")  # their rows are not the TFLOP/s table's
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
 SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
 DEFAULT_SUITES = {"softmax": ("grid", "fp32"), "linear": ("linear",)}
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m cupyflash.bench --suite quick --compare none`; "
         "`python -m cupyflash.bench --suite grid --dtype bf16 --d 128 --kernels mma,portable --json out.json "
         "--plot out.png`; `python -m cupyflash.bench --suite long`; `python -m cupyflash.bench --mode linear`; "
-        "`python -m cupyflash.bench --suite overhead --json overhead.json`.",
+        "`python -m cupyflash.bench --suite overhead --json overhead.json`; "
+        "`python -m cupyflash.bench --suite variants --d 128 --n 16384 --json variants.json`.",
     )
     p.add_argument("--mode", choices=("softmax", "linear"), default="softmax", help="workload family (default softmax)")
     p.add_argument(
@@ -83,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma list: grid, fp32, long, quick, all (= grid,fp32,long); linear mode: linear, quick. "
         "Default: grid,fp32 (linear mode: linear). overhead (alone): microseconds per call of tiny "
-        "forwards, backwards and a linear forward, wall time against GPU time, beside SDPA",
+        "forwards, backwards and a linear forward, wall time against GPU time, beside SDPA. variants (alone): "
+        "bf16 window/softcap/ALiBi/sinks against our plain call and FlexAttention (--d, --n, --causal, --passes "
+        "filter; --compare none leaves Flex out)",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -227,8 +233,9 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
         compare = expand_compare(a.compare, a.mode, has_torch)
     except ValueError as e:
         parser.error(str(e))
-    if "overhead" in suites and len(suites) > 1:
-        parser.error("--suite overhead runs alone (its rows are calls, not TFLOP/s)")
+    for alone in ALONE_SUITES:
+        if alone in suites and len(suites) > 1:
+            parser.error(f"--suite {alone} runs alone (its rows have their own table)")
     if not has_torch and any(c in TORCH_BACKENDS for c in compare):
         parser.error("--compare torch needs PyTorch, which is not importable here")
     valid_passes = ("fwd", "bwd") if a.mode == "softmax" else ("fwd", "fwd+bwd")
@@ -274,11 +281,21 @@ def is_overhead(opts: Options) -> bool:
 
 
 def overhead_uses_sdpa(opts: Options) -> bool:
-    """SDPA's columns: whenever the comparisons name a torch backend (the default with torch)."""
+    """SDPA's columns (Flex's in the variants suite): whenever the comparisons name a torch backend (the
+    default with torch)."""
     return any(c in TORCH_BACKENDS for c in opts.compare)
 
 
+def is_variants(opts: Options) -> bool:
+    return opts.suites == ("variants",)
+
+
 def format_plan(opts: Options) -> str:
+    if is_variants(opts):
+        from .variants import format_plan as variants_plan
+        from .variants import plan_rows as variants_rows
+
+        return variants_plan(variants_rows(opts.shapes, opts.passes), overhead_uses_sdpa(opts))
     if is_overhead(opts):
         from .overhead import format_plan as overhead_plan
         from .overhead import plan_rows

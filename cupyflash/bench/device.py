@@ -9,16 +9,10 @@ from typing import Any
 
 
 def gpu_unavailable_reason() -> str | None:
-    try:
-        import cupy
-    except Exception as e:
-        return f"CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as e:
-        return f"no usable CUDA device ({type(e).__name__}: {e})"
-    return None
+    """None with a usable GPU, else one line a user can act on (cupyflash.gpu_status)."""
+    from .._cuda_env import gpu_status
+
+    return gpu_status()
 
 
 def require_gpu() -> None:

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Sequence
 
 from . import timing
-from .cli import TORCH_BACKENDS, Options, format_plan, is_overhead, overhead_uses_sdpa, parse_args
+from .cli import TORCH_BACKENDS, Options, format_plan, is_overhead, is_variants, overhead_uses_sdpa, parse_args
 from .device import environment, free_device_memory, require_gpu
 from .impls import Impl, InputSet, Unavailable, first_line, random_inputs
 from .memory import memory_record
@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_gpu()
     if is_overhead(opts):
         return overhead_main(opts)
+    if is_variants(opts):
+        return variants_main(opts)
     records = run(opts)
     if not records:
         return 0
@@ -166,6 +168,33 @@ def overhead_main(opts: Options) -> int:
     rows = plan_rows(opts.shapes)
     records = run_overhead(rows, use_sdpa, opts.seed, env, progress)
     print(format_overhead_table(records, rows))
+    if opts.json:
+        write_json(records, opts.json)
+        progress(f"wrote {len(records)} records to {opts.json}")
+    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+
+
+def variants_main(opts: Options) -> int:
+    """``--suite variants``: the variants table (and JSON records of kind "variants")."""
+    from .variants import format_variants_table, plan_rows, run_variants
+
+    use_flex = overhead_uses_sdpa(opts)  # a torch comparison asked for (the default with torch)
+    missing = None
+    if use_flex:
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401  (before environment(): torch's version)
+        except Exception as e:
+            missing = f"FlexAttention is not importable ({type(e).__name__}: {e})"
+    env = environment()
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    rows = plan_rows(opts.shapes, opts.passes)
+
+    def save(records: list[Record]) -> None:
+        if opts.json:
+            write_json(records, opts.json)
+
+    records = run_variants(rows, use_flex, missing, opts.seed, env, progress, save)
+    print(format_variants_table(records, rows))
     if opts.json:
         write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")

@@ -90,6 +90,13 @@ def overhead_shapes() -> list[Shape]:
     return [Shape(1, 8, 128, 64, False, "bfloat16"), Shape(4, 12, 256, 64, False, "float32")]
 
 
+def variants_shapes() -> list[Shape]:
+    """The variants suite (issue 13): bf16 grid shapes at D 64, 128 and N 4k, 16k; each shape's causality
+    picks its cases (bench/variants.py)."""
+    return [Shape(GRID_TOKENS // n, GRID_HIDDEN // d, n, d, causal, "bfloat16")
+            for d in GRID_DS for n in (4096, 16384) for causal in (False, True)]  # fmt: skip
+
+
 def linear_shapes() -> list[Shape]:
     return [Shape(4, 16, 8192, d, True, dt) for dt in GRID_DTYPES for d in GRID_DS] + [
         Shape(1, 16, 32768, 64, True, dt) for dt in GRID_DTYPES

@@ -47,11 +47,18 @@ def read_source(source: str) -> str:
 
 @functools.cache
 def _cuda_include_dirs() -> tuple[str, ...]:
+    """Where cuda_fp16.h lives: the toolkit CuPy found, or (CUDA 12 pip wheels, where CuPy reports no
+    toolkit path) the nvidia-cuda-runtime wheel's include folder."""
     import cupy
+
+    from .._cuda_env import cuda_include_dir
 
     root = cupy.cuda.get_cuda_path()
     inc = Path(root) / "include" if root else None
-    return (str(inc),) if inc is not None and (inc / "cuda_fp16.h").exists() else ()
+    if inc is not None and (inc / "cuda_fp16.h").exists():
+        return (str(inc),)
+    found = cuda_include_dir()
+    return (str(found),) if found else ()
 
 
 def compile_options() -> tuple[str, ...]:
