@@ -42,7 +42,10 @@ def _ptx(source: str, names: list[str], arch: str | None = None) -> str:
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
-        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}"])
+        try:
+            nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}"])
+        except nvrtc.NVRTCError as e:
+            raise AssertionError(f"{e}\n{nvrtc.getProgramLog(prog)}") from None
         ptx = nvrtc.getPTX(prog)
         lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
@@ -56,9 +59,12 @@ def test_params_layout_matches_cpp():
 
     offsets = field_offsets()
     members = list(offsets)
-    exprs = ["sizeof(cupyflash::AttentionParams)"] + [
-        f"__builtin_offsetof(cupyflash::AttentionParams, {m})" for m in members
-    ]
+    def offset(m: str) -> str:  # nested stride members as two offsets (older NVRTC refuses "a.b" here)
+        outer, _, inner = m.partition(".")
+        expr = f"__builtin_offsetof(cupyflash::AttentionParams, {outer})"
+        return expr + (f" + __builtin_offsetof(cupyflash::Strides, {inner})" if inner else "")
+
+    exprs = ["sizeof(cupyflash::AttentionParams)"] + [offset(m) for m in members]
     probe = (
         '#include "attention_params.cuh"\n'
         "extern \"C\" __device__ unsigned long long cupyflash_layout[] = {\n  "

@@ -12,6 +12,7 @@ import pytest
 from conftest import DTYPES, HAS_GPU, rel_err, requires_gpu
 
 import cupyflash.linear_api as api
+from cupyflash.plans import DeviceLimits
 import cupyflash.linear_validation as checks
 from cupyflash import linear_reference as ref
 
@@ -61,7 +62,7 @@ def check(rng, dtype_name, batch, hq, hk, nq, nk, d, causal, *, mask_shape=None,
     ld = cupy.asarray(lam) if lam is not None else None
     p = checks.check_linear(qd, kd, vd, causal=causal, mask=md, decay=ld, scale=scale)
     tc = impl == "tc"
-    assert linear._tensor_cores(p, tc) == tc  # the variant asked for is the one that runs
+    assert linear._tensor_cores(p, tc, DeviceLimits.current()) == tc  # the variant asked for is the one that runs
     o = _poisoned(q.shape, dtype)
     linear.forward(qd, kd, vd, md, ld, p, path=path, out=o, tensor_cores=tc)
     grads_out = (_poisoned(q.shape, dtype), _poisoned(k.shape, dtype), _poisoned(v.shape, dtype))
@@ -198,7 +199,7 @@ def test_default_tile_choice(rng):
     for name in DT:
         q, k, v, _ = (cupy.asarray(x) for x in inputs(rng, (1,), 2, 2, 8, 8, 16, DTYPES[name]))
         p = checks.check_linear(q, k, v)
-        assert linear._tensor_cores(p, None) == (name != "float32" and cc >= 80)
+        assert linear._tensor_cores(p, None, DeviceLimits.current()) == (name != "float32" and cc >= 80)
 
 
 def test_forward_bit_identical(rng):

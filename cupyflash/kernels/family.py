@@ -103,14 +103,15 @@ def call_plan(launches: Sequence[LaunchPlan], params: Params, scratch: Sequence[
 def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
     """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers."""
     ptrs = dict(pointers)
-    zeroed = []
+    scratch, zeroed = [], []
     if plan.scratch:
         import cupy
         import numpy as np
 
         for s in plan.scratch:
             buf = (cupy.zeros if s.zeroed else cupy.empty)((max(1, s.size),), dtype=np.float32)
-            ptrs[s.field] = buf.data.ptr  # freed on return: the pool orders its reuse after these launches
+            scratch.append(buf)  # alive until every launch is queued (the pool then orders reuse on the stream)
+            ptrs[s.field] = buf.data.ptr
             if s.zeroed:
                 zeroed.append(buf)
     for i, offsets in enumerate(g.offsets):
