@@ -19,8 +19,20 @@ def _check_kernel(kernel: Kernel) -> None:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
 
 
-def _is_cupy(x: Any) -> bool:
+def _is_cupy(x: Any, kernel: Kernel) -> bool:
     return array_kind("q", x) == "cupy"
+
+
+def _numpy_kernel(kernel: Kernel) -> None:
+    """A named family is a CUDA kernel family: with NumPy arrays that is a mistake, not a hint to ignore."""
+    if kernel != "auto":
+        raise TypeError(f"kernel={kernel!r} names a CUDA kernel family; NumPy arrays run the NumPy backend "
+                        "(pass CuPy arrays, or leave kernel='auto')")  # fmt: skip
+
+
+#: The NumPy backend's tiles: FlashAttention's algorithm in float64 NumPy, so memory stays O(N) (a few
+#: (..., 512, 512) tiles at a time) instead of the (..., Nq, Nk) score matrix.
+NUMPY_BLOCK = 512
 
 
 def attention_forward(
@@ -35,7 +47,8 @@ def attention_forward(
             reads key/value head ``h // (Hq // Hk)``); leading dims are batch dims and must match.
             float32, float16 or bfloat16, all the same; CuPy arrays (CUDA kernels on the current device
             and stream; strided views such as a ``(B, N, H, D)`` array seen as ``(B, H, N, D)`` are read
-            in place) or NumPy arrays (the float64 NumPy implementation), not mixed.
+            in place) or NumPy arrays (FlashAttention's tiled algorithm in float64 NumPy, O(N) memory; for
+            float64 inputs use ``cupyflash.reference``), not mixed.
         causal: mask key j for query i when ``j > i + Nk - Nq`` (bottom-right aligned, FlashAttention >= 2.1).
         scale: the softmax scale; ``1/sqrt(D)`` when None.
         window_size: ``(left, right)``, ``-1`` (or None) = unbounded on that side: key j is visible to query i
@@ -57,12 +70,13 @@ def attention_forward(
     """
     _check_kernel(kernel)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    if _is_cupy(q):
+    if _is_cupy(q, kernel):
         from . import cuda_backend
 
         return cuda_backend.forward(q, k, v, causal, scale, kernel, **variant)
     p = check_attention(q, k, v, causal=causal, scale=scale, **variant)
-    o, lse = reference.attention_forward(q, k, v, causal=causal, scale=p.scale, **variant)
+    _numpy_kernel(kernel)
+    o, lse = reference.tiled_attention_forward(q, k, v, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK, **variant)
     return o.astype(p.dtype), lse.astype(np.float32)
 
 
@@ -99,12 +113,14 @@ def attention_backward(
     """
     _check_kernel(kernel)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    if _is_cupy(q):
+    if _is_cupy(q, kernel):
         from . import cuda_backend
 
         return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, **variant)
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **variant)
-    grads = reference.attention_backward(do, q, k, v, o, lse, causal=causal, scale=p.scale, **variant)
+    _numpy_kernel(kernel)
+    grads = reference.tiled_attention_backward(do, q, k, v, o, lse, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK,
+                                               **variant)  # fmt: skip
     out = tuple(g.astype(p.dtype) for g in grads[:3])
     return out if sinks is None else (*out, grads[3].astype(np.float32))
 

@@ -71,7 +71,9 @@ def _check_dtype(name: str, x: Any, want: np.dtype | None = None, allow_float64:
         ok = _dtypes.SUPPORTED + ((np.dtype(np.float64),) if allow_float64 else ())
         if dt not in ok:
             names = ", ".join(str(d) for d in ok)
-            raise TypeError(f"{name}.dtype must be one of {names}; got {dt}")
+            hint = (" (NumPy's default: convert with .astype(numpy.float32), or use cupyflash.reference, which "
+                    "computes in float64)") if dt == np.float64 else ""
+            raise TypeError(f"{name}.dtype must be one of {names}; got {dt}{hint}")
     elif dt != want:
         raise TypeError(f"{name}.dtype must equal q.dtype ({want}); got {dt}")
     return dt

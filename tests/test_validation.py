@@ -26,7 +26,8 @@ def _boom(*args, **kwargs):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Make every computation fail loudly, so a check that came too late shows up."""
-    for name in ("attention_forward", "attention_backward", "_backward"):
+    for name in ("attention_forward", "attention_backward", "_backward", "tiled_attention_forward",
+                 "tiled_attention_backward"):
         monkeypatch.setattr(reference, name, _boom)
 
 
