@@ -19,7 +19,7 @@ def _check_kernel(kernel: Kernel) -> None:
         raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
 
 
-def _is_cupy(x: Any, kernel: Kernel) -> bool:
+def _is_cupy(x: Any) -> bool:
     return array_kind("q", x) == "cupy"
 
 
@@ -70,7 +70,7 @@ def attention_forward(
     """
     _check_kernel(kernel)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    if _is_cupy(q, kernel):
+    if _is_cupy(q):
         from . import cuda_backend
 
         return cuda_backend.forward(q, k, v, causal, scale, kernel, **variant)
@@ -113,7 +113,7 @@ def attention_backward(
     """
     _check_kernel(kernel)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    if _is_cupy(q, kernel):
+    if _is_cupy(q):
         from . import cuda_backend
 
         return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, **variant)

@@ -92,7 +92,7 @@ def _prepare(
     for n, (shape, dt) in outputs.items():
         layout[n] = (shape, _contiguous_strides(shape, dt.itemsize), dt.itemsize, 0)
     if "alibi" in extra:  # sinks are one (Hq,) vector for every batch: no view needed
-        layout["alibi"] = _head_layout("alibi", extra["alibi"], len(p.batch))
+        layout["alibi"] = _head_layout(extra["alibi"], len(p.batch))
     g = _geometry(p, layout)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is allocated
     empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
@@ -130,7 +130,7 @@ def _variant_arrays(alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
     return out
 
 
-def _head_layout(name: str, x: Any, nbatch: int) -> tuple:
+def _head_layout(x: Any, nbatch: int) -> tuple:
     """A per-head vector as an array the views understand: (*batch, Hq) -> (*batch, Hq, 1); (Hq,) -> a
     batch stride of 0 (every batch reads the same slopes)."""
     if x.ndim == 1:
@@ -144,12 +144,12 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k), _array_key(v))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks)
     prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
-        extra = _variant_arrays(alibi_slopes, sinks)
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
                         extra)  # fmt: skip
         _forward_cache[key] = prep
@@ -167,7 +167,7 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
         return o, lse
     x = _inputs(prep, {"q": q, "k": k, "v": v})
     ptrs = {n: a.data.ptr for n, a in x.items()}
-    ptrs.update({n: a.data.ptr for n, a in _variant_arrays(alibi_slopes, sinks).items()})
+    ptrs.update({n: a.data.ptr for n, a in extra.items()})
     run(prep.plan, prep.geometry, {**ptrs, "o": o.data.ptr, "lse": lse.data.ptr})
     return o, lse
 
@@ -178,13 +178,13 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks)
     prep = _backward_cache.get(key)
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-        extra = _variant_arrays(alibi_slopes, sinks)
         prep = _prepare(p, kernel, inputs, outputs, lambda f, p, g, lim: f.backward_plan(p, g, lim), extra)
         _backward_cache[key] = prep
     p = prep.p
@@ -202,7 +202,7 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
         return grads
     x = _inputs(prep, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     ptrs = {n: a.data.ptr for n, a in x.items()}
-    ptrs.update({n: a.data.ptr for n, a in _variant_arrays(alibi_slopes, sinks).items()})
+    ptrs.update({n: a.data.ptr for n, a in extra.items()})
     if dsinks is not None:
         ptrs["dsinks"] = dsinks.data.ptr
     run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr})

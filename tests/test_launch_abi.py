@@ -145,8 +145,6 @@ def _problem(dtype, causal=True):
                                                 ("wgmma", "bfloat16")])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
 def test_planned_launches_are_listed_instantiations(planned, family_name, dtype, causal):
-    import struct
-
     from cupyflash import _dtypes
     from cupyflash.kernels import dispatch
     from cupyflash.kernels.params import PARAMS
@@ -170,7 +168,6 @@ def test_planned_launches_are_listed_instantiations(planned, family_name, dtype,
     # Names are per variant: causal and non-causal calls never share a main kernel.
     mains = [plan.name for plan, _ in planned if "Policy" in plan.name]
     assert all(("Causal" in n) == causal for n in mains)
-    del struct
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16 reaches the fused tensor-core walk

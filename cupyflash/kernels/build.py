@@ -163,14 +163,6 @@ def launch_params(plan, params: bytes | bytearray) -> None:
     )
 
 
-def element_strides(x) -> tuple:
-    """Element strides of the (b, h, n) axes of a (B, H, N, D) view, or of all axes of (B, H, N),
-    as the int64 kernel arguments every family takes (the last dim of a 4-D view is unit)."""
-    import numpy as np
-
-    return tuple(np.int64(s // x.itemsize) for s in x.strides[:3])
-
-
 # ---------------------------------------------------------------------------------------
 # Compile without a GPU (CI): NVRTC straight to a cubin for one architecture.
 

@@ -15,7 +15,8 @@ a plan depends on array contents or addresses, only on shapes, strides, dtypes a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+import sys
+from typing import Any, Callable, Protocol, Sequence
 
 from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
@@ -55,10 +56,6 @@ class CallPlan:
 
     launches: tuple[tuple[LaunchPlan, bytes], ...]
     scratch: tuple[Scratch, ...] = ()
-
-    @property
-    def names(self) -> list[str]:
-        return [lp.name for lp, _ in self.launches]
 
 
 class Family(Protocol):  # pragma: no cover - a description of the module interface
@@ -121,3 +118,22 @@ def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
         shifted = {name: ptr + offsets.get(name, 0) for name, ptr in ptrs.items()}
         for lp, base in plan.launches:
             build.launch_params(lp, Params.with_pointers(base, **shifted))
+
+
+def entry_points(module_name: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """A family module's ``forward(q, k, v, o, lse, p, **options)`` and ``backward(do, ..., dq, dk, dv, p,
+    **options)`` with given outputs: how tests reach each family explicitly and benchmarks pass a tile
+    configuration (the API goes through cuda_backend's cache instead)."""
+
+    def forward(q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, **options: Any) -> None:
+        from ..cuda_backend import forward_into
+
+        forward_into(sys.modules[module_name], q, k, v, o, lse, p, **options)
+
+    def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+                 p: AttentionProblem, **options: Any) -> None:  # fmt: skip
+        from ..cuda_backend import backward_into
+
+        backward_into(sys.modules[module_name], do, q, k, v, o, lse, dq, dk, dv, p, **options)
+
+    return forward, backward

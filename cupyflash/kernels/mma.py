@@ -6,14 +6,12 @@ Geometry comes from ``plans.mma``; this module turns a problem into the family's
 """
 from __future__ import annotations
 
-import sys
-from typing import Any
 
 from .. import _dtypes
 from ..plans import DeviceLimits
 from ..plans import mma as plans
 from ..validation import AttentionProblem
-from .family import CallPlan, Geometry
+from .family import CallPlan, Geometry, entry_points
 from .tensorcore import backward_call, ctype, forward_call
 
 NAME = "mma"
@@ -54,15 +52,4 @@ def backward_plan(
 
 
 # Entry points with given outputs, for tests and benchmarks (the API goes through cuda_backend's cache).
-def forward(q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, **options: Any) -> None:
-    from ..cuda_backend import forward_into
-
-    forward_into(sys.modules[__name__], q, k, v, o, lse, p, **options)
-
-
-def backward(
-    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem, **options: Any
-) -> None:
-    from ..cuda_backend import backward_into
-
-    backward_into(sys.modules[__name__], do, q, k, v, o, lse, dq, dk, dv, p, **options)
+forward, backward = entry_points(__name__)

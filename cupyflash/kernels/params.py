@@ -68,9 +68,6 @@ class Params:
             self._record[name] = value
         return self
 
-    def __getitem__(self, name: str) -> Any:
-        return self._record[name]
-
     def to_bytes(self) -> bytes:
         return self._record.tobytes()
 

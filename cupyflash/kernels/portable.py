@@ -13,8 +13,6 @@ N=1024..4096: 19-28 vs 16-22), as the separate pass recomputes S and dP (7 tile 
 """
 from __future__ import annotations
 
-import sys
-from typing import Any
 
 import os
 
@@ -24,7 +22,7 @@ from .. import _dtypes
 from ..plans import DeviceLimits
 from ..plans import portable as plans
 from ..validation import MAX_HEAD_DIM, AttentionProblem
-from .family import CallPlan, Geometry, Scratch, base_params, call_plan
+from .family import CallPlan, Geometry, Scratch, base_params, call_plan, entry_points
 
 NAME = "portable"
 NEEDS_ALIGNED_ROWS = False
@@ -80,15 +78,4 @@ def backward_plan(
 
 
 # Entry points with given outputs, for tests and benchmarks (the API goes through cuda_backend's cache).
-def forward(q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, **options: Any) -> None:
-    from ..cuda_backend import forward_into
-
-    forward_into(sys.modules[__name__], q, k, v, o, lse, p, **options)
-
-
-def backward(
-    do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem, **options: Any
-) -> None:
-    from ..cuda_backend import backward_into
-
-    backward_into(sys.modules[__name__], do, q, k, v, o, lse, dq, dk, dv, p, **options)
+forward, backward = entry_points(__name__)
