@@ -20,6 +20,7 @@ from .plans import DeviceLimits
 from .validation import AttentionProblem, check_attention, check_backward
 
 _FLOAT32 = np.dtype(np.float32)
+_SCALARS = frozenset((type(None), bool, int, float, str))
 
 
 def _array_key(x: Any) -> tuple:
@@ -110,8 +111,9 @@ def _inputs(prep: _Prepared, arrays: dict[str, Any]) -> dict[str, Any]:
 def _key_of(x: Any) -> Any:
     """A hashable stand-in for a keyword argument: arrays by their signature, lists as tuples, and
     always the type (True == 1 == 1.0 must not share a cache entry: the checks tell them apart)."""
-    if x is None:
-        return None
+    t = type(x)
+    if t in _SCALARS:  # the common case first: a call's keywords are mostly None, bools and numbers
+        return (t, x)
     if hasattr(x, "data") and hasattr(x, "strides"):
         return _array_key(x)
     if isinstance(x, list):
@@ -165,10 +167,12 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
         else:
             lse[...] = sinks.reshape(-1, 1).astype(np.float32)
         return o, lse
-    x = _inputs(prep, {"q": q, "k": k, "v": v})
-    ptrs = {n: a.data.ptr for n, a in x.items()}
-    ptrs.update({n: a.data.ptr for n, a in extra.items()})
-    run(prep.plan, prep.geometry, {**ptrs, "o": o.data.ptr, "lse": lse.data.ptr})
+    if prep.copy:
+        q, k, v = _inputs(prep, {"q": q, "k": k, "v": v}).values()
+    ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr, "lse": lse.data.ptr}
+    for n, a in extra.items():
+        ptrs[n] = a.data.ptr
+    run(prep.plan, prep.geometry, ptrs)
     return o, lse
 
 

@@ -48,9 +48,14 @@ class AttentionProblem:
 
 def array_kind(name: str, x: Any) -> str:
     """'numpy' or 'cupy' for an array argument; TypeError for anything else."""
+    t = type(x)
+    if t is np.ndarray:
+        return "numpy"
+    if t.__name__ == "ndarray" and t.__module__ == "cupy":  # the exact types first: a call checks this per array
+        return "cupy"
     if isinstance(x, np.ndarray):
         return "numpy"
-    mod = type(x).__module__
+    mod = t.__module__
     if mod.startswith("cupy") and hasattr(x, "data") and hasattr(x, "dtype"):
         return "cupy"
     raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")

@@ -124,11 +124,19 @@ def planned(monkeypatch):
     from cupyflash import plans
     from cupyflash.kernels import build
 
-    seen = []
-    monkeypatch.setattr(build, "launch_params", lambda plan, params: seen.append((plan, bytes(params))))
+    from cupyflash.kernels import family
+
+    seen, host = [], []
+
+    def allocate(nbytes):
+        host.append(_empty((nbytes,), np.uint8))
+        return types.SimpleNamespace(ptr=host[-1].ctypes.data)
+
+    monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
+    monkeypatch.setattr(family, "allocate", allocate)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, value, nbytes, stream: None)
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
-    monkeypatch.setattr(cupy, "empty", _empty)
-    monkeypatch.setattr(cupy, "zeros", _empty)
     return seen
 
 

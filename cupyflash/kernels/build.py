@@ -145,22 +145,39 @@ def _function_ptr(plan) -> int:
     return ptr
 
 
-def launch_params(plan, params: bytes | bytearray) -> None:
-    """Launch ``plan`` with one struct argument (the bytes of ``AttentionParams``) on the current stream:
-    one driver call, nothing converted per argument."""
-    import ctypes
+class Launch:
+    """One kernel launch made ready for repeated calls: its function, geometry and a private copy of the
+    ``AttentionParams`` bytes whose leading pointer block ``write`` rewrites per call. A repeated call
+    then costs one ``struct.pack_into`` and one driver call (no buffers built, nothing converted)."""
 
+    __slots__ = ("plan", "buffer", "_argv", "_argv_ptr", "_fn", "_dims")
+
+    def __init__(self, plan, params: bytes) -> None:
+        import ctypes
+
+        self.plan = plan
+        self.buffer = ctypes.create_string_buffer(bytes(params), len(params))
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))  # the kernel's one argument
+        self._argv_ptr = ctypes.addressof(self._argv)
+        self._fn = 0  # resolved (compiled, limits raised) at the first launch, on the device of the plan
+        self._dims = (*plan.grid, *plan.block, plan.shared_bytes)
+
+    def fire(self, stream: int) -> None:
+        """Queue the kernel on ``stream`` with the buffer as it is now (the driver copies it during the
+        call, so the next ``write`` may follow at once)."""
+        import cupy
+
+        if not self._fn:
+            self._fn = _function_ptr(self.plan)
+        cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
+
+
+def launch_params(plan, params: bytes | bytearray) -> None:
+    """Launch ``plan`` once with one struct argument (the bytes of ``AttentionParams``) on the current
+    stream."""
     import cupy
 
-    buf = ctypes.create_string_buffer(bytes(params), len(params))
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-    gx, gy, gz = plan.grid
-    bx, by, bz = plan.block
-    stream = cupy.cuda.get_current_stream().ptr
-    # The driver copies the arguments during the call, so buf may go away when it returns.
-    cupy.cuda.driver.launchKernel(
-        _function_ptr(plan), gx, gy, gz, bx, by, bz, plan.shared_bytes, stream, ctypes.addressof(argv), 0
-    )
+    Launch(plan, params).fire(cupy.cuda.get_current_stream().ptr)
 
 
 # ---------------------------------------------------------------------------------------

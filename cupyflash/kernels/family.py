@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import sys
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 from ..plans import DeviceLimits, LaunchPlan
@@ -57,6 +58,30 @@ class CallPlan:
     launches: tuple[tuple[LaunchPlan, bytes], ...]
     scratch: tuple[Scratch, ...] = ()
 
+    def ready(self) -> tuple[build.Launch, ...]:
+        """The launches as ``build.Launch`` objects, made once per plan (plans are cached per call
+        signature and device, so their argument buffers are reused call after call)."""
+        made = self.__dict__.get("_ready")
+        if made is None:
+            made = tuple(build.Launch(lp, base) for lp, base in self.launches)
+            object.__setattr__(self, "_ready", made)
+        return made
+
+    @property
+    def scratch_layout(self) -> tuple[int, tuple[tuple[str, int, int, bool], ...]]:
+        """All scratch buffers in one allocation: (total bytes, (field, byte offset, bytes, zeroed) each),
+        each buffer 256-byte aligned."""
+        made = self.__dict__.get("_scratch_layout")
+        if made is None:
+            at, parts = 0, []
+            for s in self.scratch:
+                nbytes = 4 * max(1, s.size)
+                parts.append((s.field, at, nbytes, s.zeroed))
+                at += -(-nbytes // 256) * 256
+            made = (at, tuple(parts))
+            object.__setattr__(self, "_scratch_layout", made)
+        return made
+
 
 class Family(Protocol):  # pragma: no cover - a description of the module interface
     NAME: str
@@ -97,27 +122,42 @@ def call_plan(launches: Sequence[LaunchPlan], params: Params, scratch: Sequence[
     return CallPlan(tuple((lp, base) for lp in launches), tuple(scratch))
 
 
+# Launches of one plan share argument buffers: one thread writes and queues them at a time.
+_launching = threading.Lock()
+
+
+def allocate(nbytes: int) -> Any:
+    """Device memory for a call's scratch (a CuPy ``MemoryPointer``: from the pool, no array object)."""
+    import cupy
+
+    return cupy.cuda.alloc(nbytes)
+
+
 def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
     """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers."""
-    ptrs = dict(pointers)
-    scratch, zeroed = [], []
-    if plan.scratch:
-        import cupy
-        import numpy as np
+    import cupy
 
-        for s in plan.scratch:
-            buf = (cupy.zeros if s.zeroed else cupy.empty)((max(1, s.size),), dtype=np.float32)
-            scratch.append(buf)  # alive until every launch is queued (the pool then orders reuse on the stream)
-            ptrs[s.field] = buf.data.ptr
-            if s.zeroed:
-                zeroed.append(buf)
-    for i, offsets in enumerate(g.offsets):
-        if i:
-            for buf in zeroed:  # each sub-batch accumulates from zero
-                buf.fill(0)
-        shifted = {name: ptr + offsets.get(name, 0) for name, ptr in ptrs.items()}
-        for lp, base in plan.launches:
-            build.launch_params(lp, Params.with_pointers(base, **shifted))
+    stream = cupy.cuda.get_current_stream().ptr
+    ptrs = dict(pointers)
+    memory = zeroed = None
+    if plan.scratch:
+        total, parts = plan.scratch_layout
+        memory = allocate(total)  # alive until every launch is queued (the pool then orders reuse on the stream)
+        base = memory.ptr
+        zeroed = [(base + at, nbytes) for _, at, nbytes, z in parts if z]
+        for field, at, _, _ in parts:
+            ptrs[field] = base + at
+    launches = plan.ready()
+    with _launching:
+        for i, offsets in enumerate(g.offsets):
+            if zeroed:  # every sub-batch accumulates from zero
+                for ptr, nbytes in zeroed:
+                    cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
+            values = Params.pointer_values(ptrs, offsets)
+            for launch in launches:
+                Params.write_pointers(launch.buffer, values)
+                launch.fire(stream)
+    del memory
 
 
 def entry_points(module_name: str) -> tuple[Callable[..., None], Callable[..., None]]:

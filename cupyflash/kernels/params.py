@@ -49,7 +49,6 @@ PARAMS = np.dtype(
 )
 
 _POINTER_PACK = struct.Struct("<" + "Q" * len(POINTERS))
-_SLOT = {name: i for i, name in enumerate(POINTERS)}
 
 
 class Params:
@@ -72,13 +71,23 @@ class Params:
         return self._record.tobytes()
 
     @staticmethod
+    def pointer_values(pointers: dict[str, int], offsets: dict[str, int] | None = None) -> list[int]:
+        """The pointer block's values in struct order: named pointers (plus byte ``offsets``), 0 for the rest."""
+        get = pointers.get
+        if not offsets:
+            return [get(name, 0) for name in POINTERS]
+        return [get(name, 0) + offsets.get(name, 0) if name in pointers else 0 for name in POINTERS]
+
+    @staticmethod
+    def write_pointers(buffer: Any, values: list[int]) -> None:
+        """Write ``pointer_values`` into the leading pointer block of a writable struct buffer."""
+        _POINTER_PACK.pack_into(buffer, 0, *values)
+
+    @staticmethod
     def with_pointers(base: bytes, **pointers: int) -> bytearray:
         """``base`` (from ``to_bytes``) with the named array pointers written in; the rest stay 0."""
         buf = bytearray(base)
-        values = [0] * len(POINTERS)
-        for name, ptr in pointers.items():
-            values[_SLOT[name]] = ptr
-        _POINTER_PACK.pack_into(buf, 0, *values)
+        Params.write_pointers(buf, Params.pointer_values(pointers))
         return buf
 
 
