@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_check.sh tests      # whole test suite + every kernel under memcheck
 #   bash benchmarks/gpu_check.sh tests-par  # the same suite in parallel shards (first-use NVRTC compiles are
 #                                           # CPU-bound: shards compile on separate cores), then memcheck
+#   bash benchmarks/gpu_check.sh tests-n    # the suite through pytest-xdist (12 workers), then memcheck
 #   bash benchmarks/gpu_check.sh sanitize   # racecheck and initcheck too
 #   bash benchmarks/gpu_check.sh examples   # every example, train_gpt with both attentions
 #   bash benchmarks/gpu_check.sh bench      # the DESIGN grid against naive CuPy and SDPA
@@ -31,6 +32,11 @@ for mode in "${@:-tests}"; do
     wait
     for i in "${!shards[@]}"; do echo "shard $i (${shards[$i]}): $(tail -1 "$out/pytest_$i.log")"; done
     grep -h "^FAILED\|^ERROR" "$out"/pytest_*.log | head -40
+    compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_smoke.py >"$out/memcheck.log" 2>&1
+    echo "compute-sanitizer memcheck: exit $?; $(tail -1 "$out/memcheck.log")" ;;
+  tests-n)
+    python -m pytest -q -n 12 -p no:cacheprovider -rfs tests --ignore=tests/test_compile.py 2>&1 \
+      | tee "$out/pytest.log" | grep -v "^\[gw" | tail -30
     compute-sanitizer --tool memcheck --error-exitcode 3 python tests/gpu_smoke.py >"$out/memcheck.log" 2>&1
     echo "compute-sanitizer memcheck: exit $?; $(tail -1 "$out/memcheck.log")" ;;
   sanitize)
