@@ -1,0 +1,180 @@
+"""Inference: attention against a KV cache with in-place append (contiguous or paged caches, split-KV), and
+the log-sum-exp merge of partial attention results. The array type picks the backend as elsewhere: CuPy
+arrays run cuda_src/decode.cu, NumPy arrays run ``kvcache_reference`` (float64, rounded once)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes, kvcache_reference
+from .kvcache_validation import KVCacheProblem, check_kvcache, check_merge, check_values
+from .validation import array_kind
+from .variants import LOG2E
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def merge_attention_states(o_parts: Any, lse_parts: Any) -> tuple[Any, Any]:
+    """Combine attention results over disjoint key sets by their log-sum-exp.
+
+    Args:
+        o_parts: ``(P, ..., D)``: part p's softmax-normalised output over its keys (float32, float16 or
+            bfloat16).
+        lse_parts: float32 ``(P, ...)``: part p's log-sum-exp (natural log); ``-inf`` for a part that saw
+            no key, which then weighs nothing.
+
+    Returns:
+        ``o`` ``(..., D)`` in o_parts' dtype and ``lse`` float32 ``(...)``: exactly the attention over the
+        union of the keys (``o = sum_p exp(lse_p - lse) o_p``, ``lse = log sum_p exp(lse_p)``); a row whose
+        parts are all ``-inf`` gives ``o = 0``, ``lse = -inf``. As FlashInfer's ``merge_state`` and
+        FlashAttention's split-KV combine: for split-KV decode, cascade (shared-prefix) attention and
+        context parallelism.
+    """
+    p = check_merge(o_parts, lse_parts)
+    if p.xp == "numpy":
+        o, lse = kvcache_reference.merge_attention_states(o_parts, lse_parts)
+        return o.astype(p.dtype), lse.astype(np.float32)
+    import cupy
+
+    from .kernels import decode
+
+    d = p.shape[-1]
+    rows = int(np.prod(p.shape[:-1]))
+    o = cupy.empty(p.shape, dtype=p.dtype)
+    lse = cupy.empty(p.shape[:-1], dtype=_FLOAT32)
+    if o.size == 0:
+        return o, lse
+    decode.launch_merge(cupy.ascontiguousarray(o_parts), cupy.ascontiguousarray(lse_parts), o, lse, None, rows,
+                        p.parts, d)  # fmt: skip
+    return o, lse
+
+
+def attention_with_kvcache(
+    q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any, block_table: Any = None,
+    cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None,
+    window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0,
+    validate: bool = False,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Attention of new query rows against a KV cache, appending new keys/values in place first (decode).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``: Nq = 1 for decoding, a few for speculative decoding.
+        k_cache, v_cache: contiguous ``(B_cache, Hk, S, D)`` (strided views of ``(B_cache, S, Hk, D)`` storage
+            work without a copy), or, with ``block_table``, paged ``(num_pages, Hk, page_size, D)`` with
+            ``page_size`` in 1..256. Same dtype as q; the last dim contiguous (they are written in place).
+        k, v: ``(B, Hk, Nnew, D)`` or None: written into the caches at positions ``cache_seqlens[b] ..
+            cache_seqlens[b] + Nnew - 1`` of each sequence (no other slot is touched), before attention.
+        cache_seqlens: int32 ``(B,)`` or a Python int: keys each sequence holds before this call. Attention
+            runs over ``cache_seqlens[b] + Nnew`` keys.
+        block_table: int32 ``(B, max_pages_per_seq)``: page of each run of page_size keys (paged caches).
+        cache_batch_idx: int32 ``(B,)``: the cache row of each batch row (contiguous caches; default b).
+        causal: key j hidden from query i when ``j > i + Nk_b - Nq`` (bottom-right aligned, Nk_b =
+            cache_seqlens[b] + Nnew). window_size, softcap, alibi_slopes (``(Hq,)`` or ``(B, Hq)``), sinks
+            (``(Hq,)``): as in ``attention_forward``, with Nk = Nk_b.
+        rotary_cos, rotary_sin, rotary_interleaved: not implemented yet (NotImplementedError).
+        num_splits: key-range splits of the CUDA kernel (0: automatic, 1: none); the result does not depend
+            on it beyond rounding.
+        validate: check the contents of cache_seqlens, block_table and cache_batch_idx (one device-to-host
+            copy) and raise ValueError for an out-of-range value. Without it, values are the caller's
+            contract (as in FlashAttention): out-of-range ones give wrong results but never an access outside
+            the arrays (the kernels clamp every index).
+
+    Returns:
+        ``o`` (q's shape and dtype) and ``lse`` (float32 ``(B, Hq, Nq)``, natural log).
+
+    Forward only. Everything the CUDA path allocates is sized from the shapes alone and it never
+    synchronises with the host (without ``validate``), so a decode step can be captured in a CUDA graph.
+    """
+    keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                    causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, num_splits=num_splits)  # fmt: skip
+    p = check_kvcache(q, k_cache, v_cache, k, v, **keywords)
+    if validate:
+        check_values(p, cache_seqlens, block_table, cache_batch_idx)
+    if p.xp == "numpy":
+        o, lse = kvcache_reference.attention_with_kvcache(q, k_cache, v_cache, k, v, **keywords)
+        return o.astype(p.dtype), lse.astype(np.float32)
+    return _cuda(p, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, sinks,
+                 int(num_splits))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the CUDA path
+
+
+def _elems(x: Any) -> tuple[int, int, int]:
+    return tuple(int(s) // x.itemsize for s in x.strides[:3])  # type: ignore[return-value]
+
+
+def _rows_aligned(x: Any) -> bool:
+    return x.data.ptr % 16 == 0 and all(n <= 1 or s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]))
+
+
+_workspace: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _cuda(p: KVCacheProblem, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any,
+          block_table: Any, cache_batch_idx: Any, alibi: Any, sinks: Any, num_splits: int) -> tuple[Any, Any]:  # fmt: skip
+    import cupy
+
+    from .kernels import build, decode
+    from .plans import DeviceLimits
+
+    reason = decode.unsupported(p)
+    if reason is None and not (_rows_aligned(k_cache) and _rows_aligned(v_cache)):
+        reason = "the decode kernel reads 16-byte rows: k_cache/v_cache need 16-byte aligned rows (base and strides)"
+    if reason is not None:
+        raise ValueError(reason)
+    o = cupy.empty(q.shape, dtype=p.dtype)
+    lse = cupy.empty(q.shape[:-1], dtype=_FLOAT32)
+    if o.size == 0:
+        return o, lse
+    dev = cupy.cuda.runtime.getDevice()
+    limits = DeviceLimits.current()
+    pl = decode.plan(p, limits, num_splits)
+    rec = np.zeros((), decode.DECODE_PARAMS)
+    a = rec["attn"]
+    a["q_s"] = _elems(q)
+    a["o_s"] = _elems(o)
+    a["lse_s"] = (p.hq * p.nq, p.nq, 1)
+    rows = p.batch * p.hq * p.nq
+    for name, value in dict(rows=rows, batch=p.batch, hq=p.hq, hk=p.hk, group=p.group, nq=p.nq, nk=p.capacity,
+                            d=p.d, scale=p.scale, scale_log2=p.scale * LOG2E, heads_fastest=1, vec=1,
+                            **p.variant.params(p.scale, p.nq, p.capacity)).items():  # fmt: skip
+        a[name] = value
+    if alibi is not None:
+        a["alibi_sb"] = p.hq if alibi.ndim == 2 else 0
+    a["q"], a["o"], a["lse"] = q.data.ptr, o.data.ptr, lse.data.ptr
+    a["alibi"] = 0 if alibi is None else alibi.data.ptr
+    a["sinks"] = 0 if sinks is None else sinks.data.ptr
+    rec["kc_s"], rec["vc_s"] = _elems(k_cache), _elems(v_cache)
+    rec["k_cache"], rec["v_cache"] = k_cache.data.ptr, v_cache.data.ptr
+    if k is not None:
+        rec["kn_s"], rec["vn_s"] = _elems(k), _elems(v)
+        rec["k_new"], rec["v_new"] = k.data.ptr, v.data.ptr
+    if p.seqlen_const is None:
+        rec["cache_seqlens"] = cache_seqlens.data.ptr
+    else:
+        rec["seqlen_const"] = p.seqlen_const
+    if block_table is not None:
+        rec["block_table"] = block_table.data.ptr
+        rec["bt_stride"] = block_table.strides[0] // 4
+    if cache_batch_idx is not None:
+        rec["cache_batch_idx"] = cache_batch_idx.data.ptr
+    for name, value in dict(n_new=p.n_new, page_size=p.page_size, num_pages=p.num_pages,
+                            pages_per_seq=p.pages_per_seq, m_rows=p.group * p.nq).items():  # fmt: skip
+        rec[name] = value
+    if pl.splits > 1:  # static size: cached per device, stream and shape (CUDA-graph capturable)
+        wkey = (dev, cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
+        ws = _workspace.get(wkey)
+        if ws is None:
+            ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, p.d), _FLOAT32), cupy.empty((pl.splits, rows), _FLOAT32))
+        rec["o_part"], rec["lse_part"] = ws[0].data.ptr, ws[1].data.ptr
+    args = rec.tobytes()
+    if pl.append is not None:
+        build.launch_params(pl.append, args)
+    build.launch_params(pl.decode, args)
+    if pl.splits > 1:
+        decode.launch_merge(ws[0], ws[1], o, lse, sinks, rows, pl.splits, p.d, p.nq, p.hq)
+    return o, lse
