@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, kvcache_reference
+from . import kvcache_reference
 from .kvcache_validation import KVCacheProblem, check_kvcache, check_merge, check_values
-from .validation import array_kind
 from .variants import LOG2E
 
 _FLOAT32 = np.dtype(np.float32)

@@ -347,3 +347,44 @@ def test_decode_kernels_take_one_struct():
         head = head[: head.index(")")]
         params = re.findall(r"\.param \.align (\d+) \.b8 \w+\[(\d+)\]|\.param \.\w+ \w+", head)
         assert len(params) == 1 and int(params[0][1]) == decode.DECODE_PARAMS.itemsize, f"{name}: {head}"
+
+
+def test_host_path_fills_decode_params(monkeypatch):
+    """The CUDA host path on host stand-ins: launches recorded, the struct decoded field by field."""
+    import cupy
+    from test_launch_abi import _DeviceArray, _empty
+
+    from cupyflash import kvcache, plans
+    from cupyflash.kernels import build, decode
+
+    seen, merges = [], []
+    monkeypatch.setattr(build, "launch_params", lambda plan, params: seen.append((plan, bytes(params))))
+    monkeypatch.setattr(decode, "launch_merge", lambda *a: merges.append(a))
+    monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
+    monkeypatch.setattr(cupy, "empty", _empty)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
+    dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
+    b, hq, hk, nq, d, page, per_seq = 2, 8, 2, 3, 64, 16, 4
+    q = dev(np.zeros((b, hq, nq, d), np.float16))
+    store = dev(np.zeros((9, page, hk, d), np.float16))  # (pages, slot, head, D) storage seen as (pages, head, slot, D)
+    kc = store.transpose(0, 2, 1, 3).view(_DeviceArray)
+    kn = dev(np.zeros((b, hk, 2, d), np.float16))
+    lens = dev(np.array([3, 40], np.int32))
+    table = dev(np.zeros((b, per_seq), np.int32))
+    sinks = dev(np.zeros(hq, np.float32))
+    problem = check_kvcache(q, kc, kc, kn, kn, cache_seqlens=lens, block_table=table, causal=True, sinks=sinks)
+    kvcache._cuda(problem, q, kc, kc, kn, kn, lens, table, None, None, sinks, 0)
+    (append, args0), (split, args1) = seen
+    assert "kv_append<__half>" in append.name and append.grid == (b, hk, 1)
+    assert "decode_split<__half, 64, 16, 64, cupyflash::Policy<cupyflash::Causal" in split.name
+    assert args0 == args1
+    rec = np.frombuffer(args1, decode.DECODE_PARAMS)[0]
+    assert rec["kc_s"].tolist() == (page * hk * d, d, hk * d)  # element strides of the transposed view
+    assert rec["k_cache"] == kc.ctypes.data and rec["block_table"] == table.ctypes.data
+    assert rec["cache_seqlens"] == lens.ctypes.data and rec["cache_batch_idx"] == 0
+    assert (rec["n_new"], rec["page_size"], rec["num_pages"], rec["pages_per_seq"], rec["m_rows"]) == (2, 16, 9, 4, 12)
+    a = rec["attn"]
+    assert (a["hq"], a["hk"], a["group"], a["nq"], a["nk"], a["d"]) == (hq, hk, 4, nq, page * per_seq, d)
+    assert a["sinks"] == sinks.ctypes.data and a["q"] == q.ctypes.data
+    assert split.grid[2] == 1 or merges  # several splits are merged (the sink joins there)

@@ -22,7 +22,7 @@ SOURCE = "decode.cu"
 THREADS = 128
 #: Padded head dims, rows per block (query rows sharing one KV head), keys per tile.
 HEAD_DIMS = (64, 128, 256)
-ROWS = (8, 16, 32, 64)
+ROWS = (4, 8, 16, 32, 64)
 KEY_TILES = (64, 32)
 
 _STRIDES = np.dtype([("b", "<i8"), ("h", "<i8"), ("n", "<i8")], align=True)
@@ -117,7 +117,7 @@ def instantiations() -> list[tuple[str, str]]:
     plain = Variant().cpp_policy
     split = "cupyflash::decode_split"
     out = [
-        f"{split}<__nv_bfloat16, 128, 8, 64, {plain}>",
+        f"{split}<__nv_bfloat16, 128, 4, 64, {plain}>",
         f"{split}<__nv_bfloat16, 128, 64, 64, {plain}>",
         f"{split}<__nv_bfloat16, 64, 16, 64, {plain}>",
         f"{split}<__nv_bfloat16, 256, 16, 32, {plain}>",
