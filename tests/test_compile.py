@@ -131,7 +131,7 @@ def allowance(name: str, arch: str) -> int:
 
 def test_every_family_has_instantiations():
     names = {job[0] for job in all_jobs()}
-    assert {"portable", "mma", "linear", "wgmma"} <= names
+    assert {"portable", "mma", "linear", "wgmma", "decode"} <= names
 
 
 @pytest.mark.parametrize("job", all_jobs(), ids=lambda j: f"{j[2]}@{j[3]}")
