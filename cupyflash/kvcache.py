@@ -89,14 +89,24 @@ def attention_with_kvcache(
     keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                     causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, num_splits=num_splits)  # fmt: skip
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                  block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks)  # fmt: skip
+    key = None if validate else _signature(arrays, keywords)
+    prep = None if key is None else _prepared.get(key)
+    if prep is not None:  # a CuPy call whose signature passed the checks before
+        if prep.p.seqlen_const is not None:
+            _check_seqlen_const(prep.p, cache_seqlens)
+        return _launch(prep, arrays)
     p = check_kvcache(q, k_cache, v_cache, k, v, **keywords)
     if validate:
         check_values(p, cache_seqlens, block_table, cache_batch_idx)
     if p.xp == "numpy":
         o, lse = kvcache_reference.attention_with_kvcache(q, k_cache, v_cache, k, v, **keywords)
         return o.astype(p.dtype), lse.astype(np.float32)
-    return _cuda(p, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, sinks,
-                 int(num_splits))  # fmt: skip
+    prep = _prepare(p, arrays, int(num_splits))
+    if key is not None:
+        _prepared[key] = prep
+    return _launch(prep, arrays)
 
 
 # ---------------------------------------------------------------------------- the CUDA path
@@ -113,67 +123,118 @@ def _rows_aligned(x: Any) -> bool:
 _workspace: dict[tuple, tuple[Any, Any]] = {}
 
 
-def _cuda(p: KVCacheProblem, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any,
-          block_table: Any, cache_batch_idx: Any, alibi: Any, sinks: Any, num_splits: int) -> tuple[Any, Any]:  # fmt: skip
+class _Prepared:
+    """A checked signature: the problem, its plan and the DecodeParams bytes without the array pointers."""
+
+    __slots__ = ("p", "plan", "record")
+
+    def __init__(self, p: KVCacheProblem, plan: Any, record: np.ndarray):
+        self.p, self.plan, self.record = p, plan, record
+
+
+_prepared: dict[tuple, _Prepared] = {}
+
+
+def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None:
+    """Everything the checks and the plan read (array kinds, dtypes, shapes, strides, alignment, keyword values,
+    the device), or None for calls that are not all CuPy (not cached). An int cache_seqlens enters by kind
+    only: its value is range-checked per call, so a decode loop does not grow the cache."""
+    from .cuda_backend import _key_of
+
+    if any(x is not None and not hasattr(x, "data") or isinstance(x, np.ndarray) for n, x in arrays.items()
+           if n != "cache_seqlens"):  # fmt: skip
+        return None
     import cupy
 
-    from .kernels import build, decode
+    seqlens = keywords["cache_seqlens"]
+    int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
+    if not int_len and (isinstance(seqlens, np.ndarray) or not hasattr(seqlens, "data")):
+        return None
+    kw = tuple((n, _key_of(x)) for n, x in keywords.items() if n not in ("cache_seqlens", "alibi_slopes", "sinks"))
+    return (cupy.cuda.runtime.getDevice(), "int" if int_len else _key_of(seqlens), kw,
+            *(_key_of(x) for n, x in arrays.items() if n != "cache_seqlens"))  # fmt: skip
+
+
+def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s <= p.capacity - p.n_new:
+        raise ValueError(f"cache_seqlens = {s!r} must be in 0..{p.capacity - p.n_new} (cache of {p.capacity} keys, "
+                         f"{p.n_new} new)")  # fmt: skip
+
+
+def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int) -> _Prepared:
+    """The static part of a call: plan and DecodeParams without pointers (raises for what the kernel cannot run)."""
+    from .kernels import decode
     from .plans import DeviceLimits
 
+    q, k_cache, v_cache, k = arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["k"]
     reason = decode.unsupported(p)
     if reason is None and not (_rows_aligned(k_cache) and _rows_aligned(v_cache)):
         reason = "the decode kernel reads 16-byte rows: k_cache/v_cache need 16-byte aligned rows (base and strides)"
     if reason is not None:
         raise ValueError(reason)
-    o = cupy.empty(q.shape, dtype=p.dtype)
-    lse = cupy.empty(q.shape[:-1], dtype=_FLOAT32)
-    if o.size == 0:
-        return o, lse
-    dev = cupy.cuda.runtime.getDevice()
-    limits = DeviceLimits.current()
-    pl = decode.plan(p, limits, num_splits)
+    plan = decode.plan(p, DeviceLimits.current(), num_splits)
     rec = np.zeros((), decode.DECODE_PARAMS)
     a = rec["attn"]
     a["q_s"] = _elems(q)
-    a["o_s"] = _elems(o)
+    a["o_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)  # o is allocated dense
     a["lse_s"] = (p.hq * p.nq, p.nq, 1)
-    rows = p.batch * p.hq * p.nq
-    for name, value in dict(rows=rows, batch=p.batch, hq=p.hq, hk=p.hk, group=p.group, nq=p.nq, nk=p.capacity,
-                            d=p.d, scale=p.scale, scale_log2=p.scale * LOG2E, heads_fastest=1, vec=1,
+    for name, value in dict(rows=p.batch * p.hq * p.nq, batch=p.batch, hq=p.hq, hk=p.hk, group=p.group, nq=p.nq,
+                            nk=p.capacity, d=p.d, scale=p.scale, scale_log2=p.scale * LOG2E, heads_fastest=1, vec=1,
                             **p.variant.params(p.scale, p.nq, p.capacity)).items():  # fmt: skip
         a[name] = value
+    alibi = arrays["alibi"]
     if alibi is not None:
         a["alibi_sb"] = p.hq if alibi.ndim == 2 else 0
-    a["q"], a["o"], a["lse"] = q.data.ptr, o.data.ptr, lse.data.ptr
-    a["alibi"] = 0 if alibi is None else alibi.data.ptr
-    a["sinks"] = 0 if sinks is None else sinks.data.ptr
     rec["kc_s"], rec["vc_s"] = _elems(k_cache), _elems(v_cache)
-    rec["k_cache"], rec["v_cache"] = k_cache.data.ptr, v_cache.data.ptr
     if k is not None:
-        rec["kn_s"], rec["vn_s"] = _elems(k), _elems(v)
-        rec["k_new"], rec["v_new"] = k.data.ptr, v.data.ptr
-    if p.seqlen_const is None:
-        rec["cache_seqlens"] = cache_seqlens.data.ptr
-    else:
-        rec["seqlen_const"] = p.seqlen_const
-    if block_table is not None:
-        rec["block_table"] = block_table.data.ptr
-        rec["bt_stride"] = block_table.strides[0] // 4
-    if cache_batch_idx is not None:
-        rec["cache_batch_idx"] = cache_batch_idx.data.ptr
+        rec["kn_s"], rec["vn_s"] = _elems(k), _elems(arrays["v"])
+    if arrays["block_table"] is not None:
+        rec["bt_stride"] = arrays["block_table"].strides[0] // 4
     for name, value in dict(n_new=p.n_new, page_size=p.page_size, num_pages=p.num_pages,
                             pages_per_seq=p.pages_per_seq, m_rows=p.group * p.nq).items():  # fmt: skip
         rec[name] = value
+    return _Prepared(p, plan, rec)
+
+
+def _ptr(x: Any) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+def _launch(prep: _Prepared, arrays: dict[str, Any]) -> tuple[Any, Any]:
+    """Allocate o and lse, write this call's pointers (and an int cache_seqlens) into the cached bytes, launch."""
+    import cupy
+
+    from .kernels import build, decode
+
+    p, pl = prep.p, prep.plan
+    o = cupy.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
+    lse = cupy.empty((p.batch, p.hq, p.nq), dtype=_FLOAT32)
+    if o.size == 0:
+        return o, lse
+    rec = prep.record.copy()
+    a = rec["attn"]
+    a["q"], a["o"], a["lse"] = arrays["q"].data.ptr, o.data.ptr, lse.data.ptr
+    a["alibi"], a["sinks"] = _ptr(arrays["alibi"]), _ptr(arrays["sinks"])
+    rec["k_new"], rec["v_new"] = _ptr(arrays["k"]), _ptr(arrays["v"])
+    for name in ("k_cache", "v_cache", "block_table", "cache_batch_idx"):
+        rec[name] = _ptr(arrays[name])
+    lens = arrays["cache_seqlens"]
+    if p.seqlen_const is None:
+        rec["cache_seqlens"] = lens.data.ptr
+    else:
+        rec["seqlen_const"] = int(lens)
+    rows = p.batch * p.hq * p.nq
     if pl.splits > 1:  # static size: cached per device, stream and shape (CUDA-graph capturable)
-        wkey = (dev, cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
+        wkey = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
         ws = _workspace.get(wkey)
         if ws is None:
-            ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, p.d), _FLOAT32), cupy.empty((pl.splits, rows), _FLOAT32))
+            ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, p.d), _FLOAT32),
+                                     cupy.empty((pl.splits, rows), _FLOAT32))  # fmt: skip
         rec["o_part"], rec["lse_part"] = ws[0].data.ptr, ws[1].data.ptr
     args = rec.tobytes()
     if pl.append is not None:
         build.launch_params(pl.append, args)
     build.launch_params(pl.decode, args)
     if pl.splits > 1:
-        decode.launch_merge(ws[0], ws[1], o, lse, sinks, rows, pl.splits, p.d, p.nq, p.hq)
+        decode.launch_merge(ws[0], ws[1], o, lse, arrays["sinks"], rows, pl.splits, p.d, p.nq, p.hq)
     return o, lse

@@ -374,7 +374,9 @@ def test_host_path_fills_decode_params(monkeypatch):
     table = dev(np.zeros((b, per_seq), np.int32))
     sinks = dev(np.zeros(hq, np.float32))
     problem = check_kvcache(q, kc, kc, kn, kn, cache_seqlens=lens, block_table=table, causal=True, sinks=sinks)
-    kvcache._cuda(problem, q, kc, kc, kn, kn, lens, table, None, None, sinks, 0)
+    arrays = dict(q=q, k_cache=kc, v_cache=kc, k=kn, v=kn, cache_seqlens=lens, block_table=table,
+                  cache_batch_idx=None, alibi=None, sinks=sinks)  # fmt: skip
+    kvcache._launch(kvcache._prepare(problem, arrays, 0), arrays)
     (append, args0), (split, args1) = seen
     assert "kv_append<__half>" in append.name and append.grid == (b, hk, 1)
     assert "decode_split<__half, 64, 16, 64, cupyflash::Policy<cupyflash::Causal" in split.name
@@ -388,3 +390,18 @@ def test_host_path_fills_decode_params(monkeypatch):
     assert (a["hq"], a["hk"], a["group"], a["nq"], a["nk"], a["d"]) == (hq, hk, 4, nq, page * per_seq, d)
     assert a["sinks"] == sinks.ctypes.data and a["q"] == q.ctypes.data
     assert split.grid[2] == 1 or merges  # several splits are merged (the sink joins there)
+
+
+def test_signature_cache_key():
+    """NumPy calls are not cached; an int cache_seqlens enters the key by kind, not by value."""
+    from cupyflash import kvcache
+
+    args = _args()
+    kw = dict(cache_seqlens=3, block_table=None, cache_batch_idx=None, causal=False, scale=None, window_size=None,
+              softcap=0.0, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None, num_splits=0)  # fmt: skip
+    arrays = dict(args, k=None, v=None, cache_seqlens=3, block_table=None, cache_batch_idx=None, alibi=None, sinks=None)
+    assert kvcache._signature(arrays, kw) is None
+    p = check_kvcache(**args, cache_seqlens=3)
+    kvcache._check_seqlen_const(p, 16)
+    with pytest.raises(ValueError, match="0..16"):
+        kvcache._check_seqlen_const(p, 17)
