@@ -49,6 +49,15 @@ struct DecodeParams {
   int pages_per_seq;  // block-table width (contiguous: 1)
   int seqlen_const;
   int m_rows;         // rows that read one KV head: group * nq
+  // Rotary embedding (null cos: none): cos/sin (rotary_rows, rotary_dim / 2) float32; q is rotated into q_rot
+  // (dense (B, Hq, Nq, D)), which the decode kernel then reads as attn.q.
+  const float* rotary_cos;
+  const float* rotary_sin;
+  void* q_rot;
+  int rotary_dim;          // leading dims rotated (even, <= d)
+  int rotary_interleaved;  // 1: pairs (2j, 2j + 1) (GPT-J); 0: halves (j, j + rotary_dim / 2) (GPT-NeoX)
+  int rotary_rows;         // positions cos/sin cover
+  int rotary_q_step;       // q row i sits at position cache_seqlens + i (1: causal/local) or cache_seqlens (0)
 };
 
 // Keys this call attends to for sequence b: its cached length (clamped so the append fits) + n_new.
@@ -89,6 +98,38 @@ __device__ __forceinline__ AttentionParams sequence_params(const AttentionParams
   return s;
 }
 
+// Element c of a row x rotated to position pos (elements past rotary_dim pass through).
+template <typename T>
+__device__ __forceinline__ float rotated(const DecodeParams& p, const T* x, int c, int pos) {
+  const int rd = p.rotary_dim, half = rd / 2;
+  if (c >= rd) return to_float<T>(x[c]);
+  pos = min(max(pos, 0), p.rotary_rows - 1);
+  int j, i1, i2;
+  if (p.rotary_interleaved) {
+    j = c / 2, i1 = 2 * j, i2 = 2 * j + 1;
+  } else {
+    j = c % half, i1 = j, i2 = j + half;
+  }
+  const float co = p.rotary_cos[pos * half + j], si = p.rotary_sin[pos * half + j];
+  const float x1 = to_float<T>(x[i1]), x2 = to_float<T>(x[i2]);
+  const bool first = p.rotary_interleaved ? (c % 2 == 0) : (c < half);
+  return first ? x1 * co - x2 * si : x1 * si + x2 * co;
+}
+
+// q rotated to its positions, into the dense q_rot: one block per (b, query head).
+template <typename T>
+__global__ void rotate_q(const __grid_constant__ DecodeParams p) {
+  const AttentionParams& a = p.attn;
+  const int b = blockIdx.x, h = blockIdx.y;
+  const int base = cached_len(p, b);
+  for (int e = threadIdx.x; e < a.nq * a.d; e += blockDim.x) {
+    const int i = e / a.d, c = e - i * a.d;
+    const T* src = static_cast<const T*>(a.q) + b * a.q_s.b + h * a.q_s.h + i * a.q_s.n;
+    T* dst = static_cast<T*>(p.q_rot) + ((static_cast<long long>(b) * a.hq + h) * a.nq + i) * a.d;
+    dst[c] = from_float<T>(rotated<T>(p, src, c, base + i * p.rotary_q_step));
+  }
+}
+
 // Writes k_new / v_new into the cache at [seqlen_b, seqlen_b + n_new) of every (b, kv head): one block
 // per (b, head), threads over (new key, element). Touches no other slot.
 template <typename T>
@@ -102,7 +143,9 @@ __global__ void kv_append(const __grid_constant__ DecodeParams p) {
   T* vc = static_cast<T*>(p.v_cache);
   for (int e = threadIdx.x; e < p.n_new * d; e += blockDim.x) {
     const int i = e / d, c = e - i * d;
-    kc[slot_offset(p, p.kc_s, b, h, base + i) + c] = kn[b * p.kn_s.b + h * p.kn_s.h + i * p.kn_s.n + c];
+    const T* krow = kn + b * p.kn_s.b + h * p.kn_s.h + i * p.kn_s.n;
+    kc[slot_offset(p, p.kc_s, b, h, base + i) + c] =
+        p.rotary_cos != nullptr ? from_float<T>(rotated<T>(p, krow, c, base + i)) : krow[c];
     vc[slot_offset(p, p.vc_s, b, h, base + i) + c] = vn[b * p.vn_s.b + h * p.vn_s.h + i * p.vn_s.n + c];
   }
 }

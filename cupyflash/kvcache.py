@@ -72,7 +72,11 @@ def attention_with_kvcache(
         causal: key j hidden from query i when ``j > i + Nk_b - Nq`` (bottom-right aligned, Nk_b =
             cache_seqlens[b] + Nnew). window_size, softcap, alibi_slopes (``(Hq,)`` or ``(B, Hq)``), sinks
             (``(Hq,)``): as in ``attention_forward``, with Nk = Nk_b.
-        rotary_cos, rotary_sin, rotary_interleaved: not implemented yet (NotImplementedError).
+        rotary_cos, rotary_sin: float32 ``(seqlen_ro, rotary_dim / 2)`` with seqlen_ro >= the cache's capacity:
+            rotary embedding of the first rotary_dim dims of the new keys (at their positions cache_seqlens[b] + i,
+            before they are written) and of q (row i at cache_seqlens[b] + i under causal or a window, else every
+            row at cache_seqlens[b]: FlashAttention's rule). rotary_interleaved: pairs (2j, 2j + 1) (GPT-J)
+            instead of halves (j, j + rotary_dim / 2) (GPT-NeoX).
         num_splits: key-range splits of the CUDA kernel (0: automatic, 1: none); the result does not depend
             on it beyond rounding.
         validate: check the contents of cache_seqlens, block_table and cache_batch_idx (one device-to-host
@@ -88,9 +92,11 @@ def attention_with_kvcache(
     """
     keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                     causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, num_splits=num_splits)  # fmt: skip
+                    sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                    num_splits=num_splits)  # fmt: skip
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                  block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks)  # fmt: skip
+                  block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)  # fmt: skip
     key = None if validate else _signature(arrays, keywords)
     prep = None if key is None else _prepared.get(key)
     if prep is not None:  # a CuPy call whose signature passed the checks before
@@ -150,7 +156,8 @@ def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None
     int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
     if not int_len and (isinstance(seqlens, np.ndarray) or not hasattr(seqlens, "data")):
         return None
-    kw = tuple((n, _key_of(x)) for n, x in keywords.items() if n not in ("cache_seqlens", "alibi_slopes", "sinks"))
+    kw = tuple((n, _key_of(x)) for n, x in keywords.items()
+               if n not in ("cache_seqlens", "alibi_slopes", "sinks", "rotary_cos", "rotary_sin"))  # fmt: skip
     return (cupy.cuda.runtime.getDevice(), "int" if int_len else _key_of(seqlens), kw,
             *(_key_of(x) for n, x in arrays.items() if n != "cache_seqlens"))  # fmt: skip
 
@@ -191,7 +198,9 @@ def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int) -> _Pre
     if arrays["block_table"] is not None:
         rec["bt_stride"] = arrays["block_table"].strides[0] // 4
     for name, value in dict(n_new=p.n_new, page_size=p.page_size, num_pages=p.num_pages,
-                            pages_per_seq=p.pages_per_seq, m_rows=p.group * p.nq).items():  # fmt: skip
+                            pages_per_seq=p.pages_per_seq, m_rows=p.group * p.nq, rotary_dim=p.rotary_dim,
+                            rotary_interleaved=int(p.rotary_interleaved), rotary_rows=p.rotary_rows,
+                            rotary_q_step=p.rotary_q_step).items():  # fmt: skip
         rec[name] = value
     return _Prepared(p, plan, rec)
 
@@ -224,6 +233,14 @@ def _launch(prep: _Prepared, arrays: dict[str, Any]) -> tuple[Any, Any]:
     else:
         rec["seqlen_const"] = int(lens)
     rows = p.batch * p.hq * p.nq
+    q_rot = None
+    if pl.rotate_q is not None:  # the decode kernel reads q rotated, from a dense copy
+        q_rot = cupy.empty(o.shape, dtype=p.dtype)
+        rec["rotary_cos"], rec["rotary_sin"] = arrays["rotary_cos"].data.ptr, arrays["rotary_sin"].data.ptr
+        rec["q_rot"] = q_rot.data.ptr
+        build.launch_params(pl.rotate_q, rec.tobytes())
+        a["q"] = q_rot.data.ptr
+        a["q_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)
     if pl.splits > 1:  # static size: cached per device, stream and shape (CUDA-graph capturable)
         wkey = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
         ws = _workspace.get(wkey)

@@ -45,6 +45,22 @@ def seqlens_of(p: KVCacheProblem, cache_seqlens: Any) -> np.ndarray:
     return np.asarray(cache_seqlens).astype(np.int64)
 
 
+def rotate(p: KVCacheProblem, x: Any, positions: Any, cos: Any, sin: Any) -> np.ndarray:
+    """x (..., N, D) float64 with row n rotated to positions[n]: pairs (x1, x2) of the first rotary_dim elements
+    -> (x1 cos - x2 sin, x1 sin + x2 cos); pairs are (2j, 2j + 1) when interleaved, else (j, j + rotary_dim / 2)."""
+    x = np.array(x, dtype=np.float64)
+    half = p.rotary_dim // 2
+    c = np.asarray(cos, dtype=np.float64)[positions]  # (N, half)
+    s = np.asarray(sin, dtype=np.float64)[positions]
+    if p.rotary_interleaved:
+        x1, x2 = x[..., 0 : 2 * half : 2].copy(), x[..., 1 : 2 * half : 2].copy()
+        x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = x[..., :half].copy(), x[..., half : 2 * half].copy()
+        x[..., :half], x[..., half : 2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return x
+
+
 def append(p: KVCacheProblem, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any,
            cache_batch_idx: Any) -> None:  # fmt: skip
     """Write k/v (B, Hk, Nnew, D) into the caches at [cache_seqlens[b], + Nnew), in place."""
@@ -71,13 +87,23 @@ def attention_with_kvcache(
     rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0,
 ) -> tuple[Any, Any]:  # fmt: skip
     """float64 ``(o, lse)`` of ``cupyflash.attention_with_kvcache`` on NumPy arrays; appends k/v to the
-    caches in place first. ``num_splits`` changes nothing here (it is a kernel's schedule)."""
+    caches in place first (k rotated to its positions with rotary_cos/sin, then rounded to the cache's dtype; q
+    rotated too). ``num_splits`` changes nothing here (it is a kernel's schedule)."""
     p = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                       cache_batch_idx=cache_batch_idx, causal=causal, scale=scale, window_size=window_size,
                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
-                      rotary_sin=rotary_sin, num_splits=num_splits, allow_float64=True)  # fmt: skip
+                      rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+                      allow_float64=True)  # fmt: skip
+    cached = seqlens_of(p, cache_seqlens)
+    if p.rotary_dim:
+        q_pos = cached[:, None] + np.arange(p.nq)[None, :] * p.rotary_q_step  # (B, Nq)
+        q = np.stack([rotate(p, q[b], q_pos[b], rotary_cos, rotary_sin) for b in range(p.batch)])
+        if k is not None:
+            k_pos = cached[:, None] + np.arange(p.n_new)[None, :]
+            k = np.stack([rotate(p, k[b], k_pos[b], rotary_cos, rotary_sin) for b in range(p.batch)])
+            k = k.astype(k_cache.dtype)  # the cache holds the rotated keys in its own dtype
     append(p, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
-    lens = seqlens_of(p, cache_seqlens) + p.n_new
+    lens = cached + p.n_new
     o = np.zeros(q.shape, dtype=np.float64)
     lse = np.zeros(q.shape[:-1], dtype=np.float64)
     for b in range(p.batch):

@@ -10,7 +10,15 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
-from .validation import MAX_HEAD_DIM, _check_dtype, _check_head_vector, _check_window, array_kind, common_kind
+from .validation import (
+    MAX_HEAD_DIM,
+    _c_contiguous,
+    _check_dtype,
+    _check_head_vector,
+    _check_window,
+    array_kind,
+    common_kind,
+)
 from .variants import Variant, check_finite_nonneg
 
 INT32 = np.dtype(np.int32)
@@ -36,10 +44,19 @@ class KVCacheProblem:
     variant: Variant
     scale: float
     xp: str
+    rotary_dim: int = 0  # leading dims of q and new k rotated (0: no rotary)
+    rotary_interleaved: bool = False
+    rotary_rows: int = 0  # positions rotary_cos/sin cover
 
     @property
     def group(self) -> int:
         return self.hq // self.hk
+
+    @property
+    def rotary_q_step(self) -> int:
+        """q row i sits at position cache_seqlens + i under causal/local masks, else every row at cache_seqlens
+        (FlashAttention's rule)."""
+        return int(self.variant.causal or self.variant.window is not None)
 
     @property
     def capacity(self) -> int:
@@ -61,7 +78,7 @@ def check_kvcache(
     q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any, block_table: Any = None,
     cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None, window_size: Any = None,
     softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
-    num_splits: Any = 0, allow_float64: bool = False,
+    rotary_interleaved: bool = False, num_splits: Any = 0, allow_float64: bool = False,
 ) -> KVCacheProblem:  # fmt: skip
     """Check every argument of ``attention_with_kvcache``; raise TypeError/ValueError naming it."""
     xp = common_kind(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -148,13 +165,32 @@ def check_kvcache(
         _check_head_vector("alibi_slopes", alibi_slopes, xp, (b,), hq, batched=True)
     if sinks is not None:
         _check_head_vector("sinks", sinks, xp, (b,), hq, batched=False)
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("rotary_cos/rotary_sin are not implemented yet: apply rotary to q and k first")
+    rotary_dim, rotary_rows = 0, 0
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise TypeError(f"rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
+    if rotary_cos is not None:
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            kind = array_kind(name, x)
+            if kind != xp:
+                raise TypeError(f"{name} must be a {xp} array like q (no implicit copies); got a {kind} array")
+            if np.dtype(x.dtype) != _dtypes.FLOAT32 and not (allow_float64 and np.dtype(x.dtype) == np.float64):
+                raise TypeError(f"{name}.dtype must be float32; got {x.dtype}")
+            if x.ndim != 2 or x.shape != rotary_cos.shape:
+                raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), as rotary_cos; got {x.shape}")
+            if x.size and not _c_contiguous(x):
+                raise ValueError(f"{name} must be contiguous; got strides {x.strides}")
+        rotary_rows, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+        if not 0 < rotary_dim <= d:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] must be in 2..D = {d}; got {rotary_dim}")
+        if rotary_rows < capacity:
+            raise ValueError(f"rotary_cos must cover every cache position: {rotary_rows} rows < {capacity} keys")
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic, 1: no split); got {num_splits!r}")
     variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None)
     return KVCacheProblem(b, hq, hk, nq, d, n_new, paged, page_size, num_pages, pages_per_seq, seqlen_const, dtype,
-                          variant, float(scale), xp)  # fmt: skip
+                          variant, float(scale), xp, rotary_dim, bool(rotary_interleaved), rotary_rows)  # fmt: skip
 
 
 def check_values(p: KVCacheProblem, cache_seqlens: Any, block_table: Any, cache_batch_idx: Any) -> None:

@@ -177,6 +177,45 @@ def test_int_cache_seqlens(rng):
     np.testing.assert_array_equal(o1, o2)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_against_complex_rotation(rng, interleaved, causal):
+    """Rotary in the reference = q and the new k multiplied by e^(i theta_pos) as complex pairs, then plain
+    KV-cache attention (q rows advance their position only under causal/local masks)."""
+    b, hq, hk, nq, d, cap, rd, n_new = 2, 4, 2, 3, 16, 24, 12, 3
+    theta = rng.uniform(0, 2 * np.pi, (cap, rd // 2))
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    kc = rng.standard_normal((b, hk, cap, d))
+    vc = rng.standard_normal((b, hk, cap, d))
+    q = rng.standard_normal((b, hq, nq, d))
+    kn = rng.standard_normal((b, hk, n_new, d))
+    vn = rng.standard_normal((b, hk, n_new, d))
+    lens = np.array([0, cap - n_new], np.int32)
+
+    def rot(x, pos):  # x (..., N, d), pos (N,)
+        x = x.copy()
+        e = np.cos(theta[pos]).astype(np.float32) + 1j * np.sin(theta[pos]).astype(np.float32)
+        if interleaved:
+            z = (x[..., 0:rd:2] + 1j * x[..., 1:rd:2]) * e
+            x[..., 0:rd:2], x[..., 1:rd:2] = z.real, z.imag
+        else:
+            z = (x[..., : rd // 2] + 1j * x[..., rd // 2 : rd]) * e
+            x[..., : rd // 2], x[..., rd // 2 : rd] = z.real, z.imag
+        return x
+
+    step = int(causal)
+    q_rot = np.stack([rot(q[i], lens[i] + step * np.arange(nq)) for i in range(b)])
+    k_rot = np.stack([rot(kn[i], lens[i] + np.arange(n_new)) for i in range(b)])
+    kr, vr = kc.copy(), vc.copy()
+    o_ref, lse_ref = kref.attention_with_kvcache(q_rot, kr, vr, k_rot, vn, cache_seqlens=lens, causal=causal)
+    o, lse = kref.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=causal, rotary_cos=cos,
+                                         rotary_sin=sin, rotary_interleaved=interleaved)  # fmt: skip
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(kc, kr, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(vc, vr)
+
+
 # ---------------------------------------------------------------------------- checks
 
 
@@ -205,7 +244,13 @@ def _args(rng=None, b=2, hq=4, hk=2, nq=1, d=8, cap=16):
         (dict(k_cache=np.zeros((3, 2, 16, 8), np.float32), v_cache=np.zeros((3, 2, 16, 8), np.float32)), ValueError,
          "cache_batch_idx"),
         (dict(num_splits=-1), ValueError, "num_splits"),
-        (dict(rotary_cos=np.zeros((16, 4), np.float32)), NotImplementedError, "rotary"),
+        (dict(rotary_cos=np.zeros((16, 4), np.float32)), ValueError, "together"),
+        (dict(rotary_cos=np.zeros((16, 5), np.float32), rotary_sin=np.zeros((16, 5), np.float32)), ValueError,
+         "rotary_dim"),
+        (dict(rotary_cos=np.zeros((15, 4), np.float32), rotary_sin=np.zeros((15, 4), np.float32)), ValueError,
+         "cover"),
+        (dict(rotary_cos=np.zeros((16, 4)), rotary_sin=np.zeros((16, 4))), TypeError, "float32"),
+        (dict(rotary_interleaved=1), TypeError, "rotary_interleaved"),
         (dict(sinks=np.zeros(3, np.float32)), ValueError, "sinks must have shape"),
     ],
 )

@@ -54,6 +54,12 @@ CASES = [
     ("alibi-head-causal-f32", (2, 4, 4, 2, 200, 1, None, 96), dict(alibi="head", causal=True), "float32", 0),
     ("d80-gqa", (2, 6, 2, 1, 333, 1, None, 80), {}, "bfloat16", 0),
     ("m-rows-over-64", (2, 16, 1, 5, 300, 5, 16, 64), dict(causal=True), "bfloat16", 0),  # 80 rows: 2 chunks
+    ("rotary-halves-causal-paged16", (3, 8, 2, 3, 320, 3, 16, 128), dict(causal=True, rotary="halves"), "bfloat16",
+     0),
+    ("rotary-interleaved-partial-f32", (2, 4, 2, 2, 200, 2, None, 64), dict(rotary="interleaved", rotary_dim=32),
+     "float32", 0),
+    ("rotary-interleaved-window-f16", (2, 4, 1, 2, 300, 1, None, 128), dict(rotary="interleaved", window=(50, 0)),
+     "float16", 3),
 ]  # fmt: skip
 
 
@@ -79,6 +85,11 @@ def _case_inputs(rng, shape, spec, dtype_name):
     kw = {"window_size": spec.get("window"), "softcap": spec.get("softcap", 0.0),
           "alibi_slopes": _alibi_slopes(rng, spec["alibi"], b, hq) if spec.get("alibi") else None,
           "sinks": rng.uniform(-1.0, 2.5, hq).astype(np.float32) if spec.get("sinks") else None}  # fmt: skip
+    if spec.get("rotary"):
+        rd = spec.get("rotary_dim", d)
+        theta = np.arange(cap)[:, None] * 10000.0 ** (-np.arange(rd // 2)[None, :] / (rd // 2))
+        kw.update(rotary_cos=np.cos(theta).astype(np.float32), rotary_sin=np.sin(theta).astype(np.float32),
+                  rotary_interleaved=spec["rotary"] == "interleaved")  # fmt: skip
     return q, kc, vc, kn, vn, lens, table, spec.get("causal", False), kw
 
 
@@ -91,7 +102,7 @@ def test_attention_with_kvcache(rng, shape, spec, dtype_name, num_splits):
     q, kc, vc, kn, vn, lens, table, causal, kw = _case_inputs(rng, shape, spec, dtype_name)
     kcd, vcd = cupy.asarray(kc), cupy.asarray(vc)
     _poison((q.shape, q.dtype), (q.shape[:-1], np.float32))
-    kwd = {**kw, "alibi_slopes": _dev(kw["alibi_slopes"]), "sinks": _dev(kw["sinks"])}
+    kwd = {n: _dev(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     o, lse = cf.attention_with_kvcache(cupy.asarray(q), kcd, vcd, _dev(kn), _dev(vn), cache_seqlens=cupy.asarray(lens),
                                        block_table=_dev(table), causal=causal, num_splits=num_splits, validate=True,
                                        **kwd)  # fmt: skip
@@ -100,9 +111,18 @@ def test_attention_with_kvcache(rng, shape, spec, dtype_name, num_splits):
     kr, vr = kc.copy(), vc.copy()
     ro, rlse = kref.attention_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=lens, block_table=table, causal=causal,
                                            **kw)  # fmt: skip
-    # the append: bit-identical caches, every other slot untouched
-    np.testing.assert_array_equal(kcd.get().view(np.uint8), kr.view(np.uint8))
+    # the append: bit-identical caches, every other slot untouched (rotated keys: float32 arithmetic on the device
+    # against float64 here, each rounded once to the dtype, so within one unit in the last place)
+    kg = kcd.get()
     np.testing.assert_array_equal(vcd.get().view(np.uint8), vr.view(np.uint8))
+    if kw.get("rotary_cos") is None:
+        np.testing.assert_array_equal(kg.view(np.uint8), kr.view(np.uint8))
+    else:
+        bits = {2: np.uint16, 4: np.uint32}[kc.dtype.itemsize]
+        untouched = kr.view(bits) == kc.view(bits)
+        assert np.array_equal(kg.view(bits)[untouched], kc.view(bits)[untouched])
+        ulp = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype_name]
+        np.testing.assert_allclose(kg.astype(np.float64), kr.astype(np.float64), rtol=ulp, atol=ulp)
     assert np.isfinite(o).all(), "o has NaN/inf (a row left unwritten?)"
     masked = np.isneginf(rlse)
     np.testing.assert_array_equal(np.isneginf(lse), masked)
@@ -117,11 +137,14 @@ def test_attention_with_kvcache(rng, shape, spec, dtype_name, num_splits):
         nk = int(lens[bi]) + n_new
         K = kref.gather(p, kr, bi, nk, table, None)[None]
         V = kref.gather(p, vr, bi, nk, table, None)[None]
-        kwb = dict(kw)
+        kwb = {n: kw[n] for n in ("window_size", "softcap", "alibi_slopes", "sinks")}
         if kw["alibi_slopes"] is not None and kw["alibi_slopes"].ndim == 2:
             kwb["alibi_slopes"] = kw["alibi_slopes"][bi : bi + 1]
-        do = np.ones_like(q[bi : bi + 1])
-        naive = naive_attention(q[bi : bi + 1], K, V, do, causal, None, kwb, dtype_name)[0]
+        qb = q[bi : bi + 1]
+        if p.rotary_dim:  # the naive implementation sees q rotated and rounded, as the kernel does
+            pos = int(lens[bi]) + np.arange(q.shape[2]) * p.rotary_q_step
+            qb = kref.rotate(p, qb, pos, kw["rotary_cos"], kw["rotary_sin"]).astype(q.dtype)
+        naive = naive_attention(qb, K, V, np.ones_like(qb), causal, None, kwb, dtype_name)[0]
         assert_fa_criterion(f"o[{bi}] (nk={nk})", o[bi : bi + 1], ro[bi : bi + 1], naive, dtype_name, 2)
 
 

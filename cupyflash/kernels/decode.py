@@ -33,7 +33,9 @@ DECODE_PARAMS = np.dtype(
     + [(n, "<u8") for n in DECODE_POINTERS]
     + [(n, _STRIDES) for n in ("kc_s", "vc_s", "kn_s", "vn_s")]
     + [("bt_stride", "<i8")]
-    + [(n, "<i4") for n in ("n_new", "page_size", "num_pages", "pages_per_seq", "seqlen_const", "m_rows")],
+    + [(n, "<i4") for n in ("n_new", "page_size", "num_pages", "pages_per_seq", "seqlen_const", "m_rows")]
+    + [(n, "<u8") for n in ("rotary_cos", "rotary_sin", "q_rot")]
+    + [(n, "<i4") for n in ("rotary_dim", "rotary_interleaved", "rotary_rows", "rotary_q_step")],
     align=True,
 )
 
@@ -53,6 +55,7 @@ class DecodePlan:
     splits: int
     decode: LaunchPlan
     append: LaunchPlan | None
+    rotate_q: LaunchPlan | None = None
 
 
 def unsupported(p: KVCacheProblem) -> str | None:
@@ -101,7 +104,10 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0) -> Decode
     append = None
     if p.n_new:
         append = LaunchPlan(SOURCE, f"cupyflash::kv_append<{ctype}>", (p.batch, p.hk, 1), (THREADS, 1, 1), 0)
-    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append)
+    rotate = None
+    if p.rotary_dim:
+        rotate = LaunchPlan(SOURCE, f"cupyflash::rotate_q<{ctype}>", (p.batch, p.hq, 1), (THREADS, 1, 1), 0)
+    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append, rotate)
 
 
 def merge_name(tin: np.dtype, tout: np.dtype) -> str:
@@ -125,7 +131,7 @@ def instantiations() -> list[tuple[str, str]]:
         f"{split}<__nv_bfloat16, 128, 16, 64, {Variant(window=(8, 8), softcap=30.0).cpp_policy}>",
         f"{split}<float, 128, 16, 64, {plain}>",
     ]
-    out += [f"cupyflash::kv_append<{t}>" for t in ("float", "__half", "__nv_bfloat16")]
+    out += [f"cupyflash::{k}<{t}>" for k in ("kv_append", "rotate_q") for t in ("float", "__half", "__nv_bfloat16")]
     out += [f"cupyflash::merge_states<float, {t}>" for t in ("float", "__half", "__nv_bfloat16")]
     out += ["cupyflash::merge_states<__half, __half>", "cupyflash::merge_states<__nv_bfloat16, __nv_bfloat16>"]
     return [(SOURCE, e) for e in out]
