@@ -48,8 +48,9 @@ CASES = [
     ("paged256-d256", (2, 4, 1, 1, 1024, 1, 256, 256), {}, "bfloat16", 0),
     ("contig-f32", (3, 4, 2, 2, 300, 2, None, 128), dict(causal=True), "float32", 0),
     ("paged16-f32-d64", (2, 8, 2, 1, 200, 1, 16, 64), {}, "float32", 4),
-    ("softcap-alibi-sinks", (3, 8, 2, 2, 500, 2, None, 128), dict(softcap=30.0, alibi="batch", sinks=True),
-     "bfloat16", 0),
+    ("softcap-alibi-sinks-nosplit", (3, 8, 2, 2, 500, 2, None, 128), dict(softcap=30.0, alibi="batch", sinks=True),
+     "bfloat16", 1),  # the sink joins in the decode kernel's own epilogue
+    ("causal-sinks-split", (2, 8, 2, 4, 600, 4, None, 128), dict(causal=True, sinks=True), "float32", 6),
     ("window-sinks-paged16-split", (2, 4, 2, 3, 300, 3, 16, 64), dict(window=(40, 2), sinks=True), "float16", 4),
     ("alibi-head-causal-f32", (2, 4, 4, 2, 200, 1, None, 96), dict(alibi="head", causal=True), "float32", 0),
     ("d80-gqa", (2, 6, 2, 1, 333, 1, None, 80), {}, "bfloat16", 0),
