@@ -450,3 +450,11 @@ def test_signature_cache_key():
     kvcache._check_seqlen_const(p, 16)
     with pytest.raises(ValueError, match="0..16"):
         kvcache._check_seqlen_const(p, 17)
+
+
+def test_bench_suite_decode_arguments():
+    from cupyflash.bench.run import _decode_args
+
+    assert _decode_args(["--suite", "decode", "--json", "x.json"]) == ["--json", "x.json"]
+    assert _decode_args(["--suite=decode", "--quick"]) == ["--quick"]
+    assert _decode_args(["--suite", "grid"]) is None
