@@ -306,3 +306,6 @@ from .linear_reference import (  # noqa: E402, F401
     linear_attention_forward,
     linear_attention_vjp,
 )
+
+# So does the KV-cache reference (decode with in-place append, paged caches) and the log-sum-exp merge.
+from .kvcache_reference import attention_with_kvcache, merge_attention_states  # noqa: E402, F401

@@ -29,6 +29,7 @@ ARCHS = {
     "mma": ("sm_80", "sm_86", "sm_89", "sm_90a"),
     "linear": ("sm_80", "sm_90a"),
     "wgmma": ("sm_90a",),  # Hopper-only instructions
+    "decode": ("sm_80", "sm_90a"),  # cp.async: sm_80+
 }
 
 #: Instantiations allowed a small spill, with why. Keys: (name prefix, arch or "*"); values: the most spill
@@ -69,12 +70,12 @@ PLAIN_ONLY = ("sm_86", "sm_89")
 
 
 def all_jobs() -> list[tuple[str, str, str, str]]:
-    from cupyflash.kernels import linear, mma, portable, wgmma
+    from cupyflash.kernels import decode, linear, mma, portable, wgmma
     from cupyflash.variants import BUILTIN, PLAIN
 
     variant_policies = {v.cpp_policy for v in BUILTIN} - {v.cpp_policy for v in PLAIN}
     jobs = []
-    for fam in (portable, mma, linear, wgmma):
+    for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
@@ -130,7 +131,7 @@ def allowance(name: str, arch: str) -> int:
 
 def test_every_family_has_instantiations():
     names = {job[0] for job in all_jobs()}
-    assert {"portable", "mma", "linear", "wgmma"} <= names
+    assert {"portable", "mma", "linear", "wgmma", "decode"} <= names
 
 
 @pytest.mark.parametrize("job", all_jobs(), ids=lambda j: f"{j[2]}@{j[3]}")

@@ -126,7 +126,23 @@ def run_one(
                   flushed=t.flushed, **base)  # type: ignore[arg-type]
 
 
+def _decode_args(argv: Sequence[str]) -> list[str] | None:
+    """``--suite decode`` runs the decode benchmark (bench/decode.py) with the remaining arguments, else None."""
+    args = list(argv)
+    for i, a in enumerate(args):
+        if a == "--suite" and i + 1 < len(args) and args[i + 1] == "decode":
+            return args[:i] + args[i + 2 :]
+        if a == "--suite=decode":
+            return args[:i] + args[i + 1 :]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    decode_args = _decode_args(sys.argv[1:] if argv is None else argv)
+    if decode_args is not None:
+        from .decode import main as decode_main
+
+        return decode_main(decode_args)
     opts = parse_args(argv)
     if opts.list:
         print(format_plan(opts))

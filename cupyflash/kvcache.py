@@ -1,0 +1,257 @@
+"""Inference: attention against a KV cache with in-place append (contiguous or paged caches, split-KV), and
+the log-sum-exp merge of partial attention results. The array type picks the backend as elsewhere: CuPy
+arrays run cuda_src/decode.cu, NumPy arrays run ``kvcache_reference`` (float64, rounded once)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import kvcache_reference
+from .kvcache_validation import KVCacheProblem, check_kvcache, check_merge, check_values
+from .variants import LOG2E
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def merge_attention_states(o_parts: Any, lse_parts: Any) -> tuple[Any, Any]:
+    """Combine attention results over disjoint key sets by their log-sum-exp.
+
+    Args:
+        o_parts: ``(P, ..., D)``: part p's softmax-normalised output over its keys (float32, float16 or
+            bfloat16).
+        lse_parts: float32 ``(P, ...)``: part p's log-sum-exp (natural log); ``-inf`` for a part that saw
+            no key, which then weighs nothing.
+
+    Returns:
+        ``o`` ``(..., D)`` in o_parts' dtype and ``lse`` float32 ``(...)``: exactly the attention over the
+        union of the keys (``o = sum_p exp(lse_p - lse) o_p``, ``lse = log sum_p exp(lse_p)``); a row whose
+        parts are all ``-inf`` gives ``o = 0``, ``lse = -inf``. As FlashInfer's ``merge_state`` and
+        FlashAttention's split-KV combine: for split-KV decode, cascade (shared-prefix) attention and
+        context parallelism.
+    """
+    p = check_merge(o_parts, lse_parts)
+    if p.xp == "numpy":
+        o, lse = kvcache_reference.merge_attention_states(o_parts, lse_parts)
+        return o.astype(p.dtype), lse.astype(np.float32)
+    import cupy
+
+    from .kernels import decode
+
+    d = p.shape[-1]
+    rows = int(np.prod(p.shape[:-1]))
+    o = cupy.empty(p.shape, dtype=p.dtype)
+    lse = cupy.empty(p.shape[:-1], dtype=_FLOAT32)
+    if o.size == 0:
+        return o, lse
+    decode.launch_merge(cupy.ascontiguousarray(o_parts), cupy.ascontiguousarray(lse_parts), o, lse, None, rows,
+                        p.parts, d)  # fmt: skip
+    return o, lse
+
+
+def attention_with_kvcache(
+    q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any, block_table: Any = None,
+    cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None,
+    window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0,
+    validate: bool = False,
+) -> tuple[Any, Any]:  # fmt: skip
+    """Attention of new query rows against a KV cache, appending new keys/values in place first (decode).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``: Nq = 1 for decoding, a few for speculative decoding.
+        k_cache, v_cache: contiguous ``(B_cache, Hk, S, D)`` (strided views of ``(B_cache, S, Hk, D)`` storage
+            work without a copy), or, with ``block_table``, paged ``(num_pages, Hk, page_size, D)`` with
+            ``page_size`` in 1..256. Same dtype as q; the last dim contiguous (they are written in place).
+        k, v: ``(B, Hk, Nnew, D)`` or None: written into the caches at positions ``cache_seqlens[b] ..
+            cache_seqlens[b] + Nnew - 1`` of each sequence (no other slot is touched), before attention.
+        cache_seqlens: int32 ``(B,)`` or a Python int: keys each sequence holds before this call. Attention
+            runs over ``cache_seqlens[b] + Nnew`` keys.
+        block_table: int32 ``(B, max_pages_per_seq)``: page of each run of page_size keys (paged caches).
+        cache_batch_idx: int32 ``(B,)``: the cache row of each batch row (contiguous caches; default b).
+        causal: key j hidden from query i when ``j > i + Nk_b - Nq`` (bottom-right aligned, Nk_b =
+            cache_seqlens[b] + Nnew). window_size, softcap, alibi_slopes (``(Hq,)`` or ``(B, Hq)``), sinks
+            (``(Hq,)``): as in ``attention_forward``, with Nk = Nk_b.
+        rotary_cos, rotary_sin: float32 ``(seqlen_ro, rotary_dim / 2)`` with seqlen_ro >= the cache's capacity:
+            rotary embedding of the first rotary_dim dims of the new keys (at their positions cache_seqlens[b] + i,
+            before they are written) and of q (row i at cache_seqlens[b] + i under causal or a window, else every
+            row at cache_seqlens[b]: FlashAttention's rule). rotary_interleaved: pairs (2j, 2j + 1) (GPT-J)
+            instead of halves (j, j + rotary_dim / 2) (GPT-NeoX).
+        num_splits: key-range splits of the CUDA kernel (0: automatic, 1: none); the result does not depend
+            on it beyond rounding.
+        validate: check the contents of cache_seqlens, block_table and cache_batch_idx (one device-to-host
+            copy) and raise ValueError for an out-of-range value. Without it, values are the caller's
+            contract (as in FlashAttention): out-of-range ones give wrong results but never an access outside
+            the arrays (the kernels clamp every index).
+
+    Returns:
+        ``o`` (q's shape and dtype) and ``lse`` (float32 ``(B, Hq, Nq)``, natural log).
+
+    Forward only. Everything the CUDA path allocates is sized from the shapes alone and it never
+    synchronises with the host (without ``validate``), so a decode step can be captured in a CUDA graph.
+    """
+    keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                    causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                    num_splits=num_splits)  # fmt: skip
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                  block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)  # fmt: skip
+    key = None if validate else _signature(arrays, keywords)
+    prep = None if key is None else _prepared.get(key)
+    if prep is not None:  # a CuPy call whose signature passed the checks before
+        if prep.p.seqlen_const is not None:
+            _check_seqlen_const(prep.p, cache_seqlens)
+        return _launch(prep, arrays)
+    p = check_kvcache(q, k_cache, v_cache, k, v, **keywords)
+    if validate:
+        check_values(p, cache_seqlens, block_table, cache_batch_idx)
+    if p.xp == "numpy":
+        o, lse = kvcache_reference.attention_with_kvcache(q, k_cache, v_cache, k, v, **keywords)
+        return o.astype(p.dtype), lse.astype(np.float32)
+    prep = _prepare(p, arrays, int(num_splits))
+    if key is not None:
+        _prepared[key] = prep
+    return _launch(prep, arrays)
+
+
+# ---------------------------------------------------------------------------- the CUDA path
+
+
+def _elems(x: Any) -> tuple[int, int, int]:
+    return tuple(int(s) // x.itemsize for s in x.strides[:3])  # type: ignore[return-value]
+
+
+def _rows_aligned(x: Any) -> bool:
+    return x.data.ptr % 16 == 0 and all(n <= 1 or s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]))
+
+
+_workspace: dict[tuple, tuple[Any, Any]] = {}
+
+
+class _Prepared:
+    """A checked signature: the problem, its plan and the DecodeParams bytes without the array pointers."""
+
+    __slots__ = ("p", "plan", "record")
+
+    def __init__(self, p: KVCacheProblem, plan: Any, record: np.ndarray):
+        self.p, self.plan, self.record = p, plan, record
+
+
+_prepared: dict[tuple, _Prepared] = {}
+
+
+def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None:
+    """Everything the checks and the plan read (array kinds, dtypes, shapes, strides, alignment, keyword values,
+    the device), or None for calls that are not all CuPy (not cached). An int cache_seqlens enters by kind
+    only: its value is range-checked per call, so a decode loop does not grow the cache."""
+    from .cuda_backend import _key_of
+
+    if any(x is not None and not hasattr(x, "data") or isinstance(x, np.ndarray) for n, x in arrays.items()
+           if n != "cache_seqlens"):  # fmt: skip
+        return None
+    import cupy
+
+    seqlens = keywords["cache_seqlens"]
+    int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
+    if not int_len and (isinstance(seqlens, np.ndarray) or not hasattr(seqlens, "data")):
+        return None
+    kw = tuple((n, _key_of(x)) for n, x in keywords.items()
+               if n not in ("cache_seqlens", "alibi_slopes", "sinks", "rotary_cos", "rotary_sin"))  # fmt: skip
+    return (cupy.cuda.runtime.getDevice(), "int" if int_len else _key_of(seqlens), kw,
+            *(_key_of(x) for n, x in arrays.items() if n != "cache_seqlens"))  # fmt: skip
+
+
+def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s <= p.capacity - p.n_new:
+        raise ValueError(f"cache_seqlens = {s!r} must be in 0..{p.capacity - p.n_new} (cache of {p.capacity} keys, "
+                         f"{p.n_new} new)")  # fmt: skip
+
+
+def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int) -> _Prepared:
+    """The static part of a call: plan and DecodeParams without pointers (raises for what the kernel cannot run)."""
+    from .kernels import decode
+    from .plans import DeviceLimits
+
+    q, k_cache, v_cache, k = arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["k"]
+    reason = decode.unsupported(p)
+    if reason is None and not (_rows_aligned(k_cache) and _rows_aligned(v_cache)):
+        reason = "the decode kernel reads 16-byte rows: k_cache/v_cache need 16-byte aligned rows (base and strides)"
+    if reason is not None:
+        raise ValueError(reason)
+    plan = decode.plan(p, DeviceLimits.current(), num_splits)
+    rec = np.zeros((), decode.DECODE_PARAMS)
+    a = rec["attn"]
+    a["q_s"] = _elems(q)
+    a["o_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)  # o is allocated dense
+    a["lse_s"] = (p.hq * p.nq, p.nq, 1)
+    for name, value in dict(rows=p.batch * p.hq * p.nq, batch=p.batch, hq=p.hq, hk=p.hk, group=p.group, nq=p.nq,
+                            nk=p.capacity, d=p.d, scale=p.scale, scale_log2=p.scale * LOG2E, heads_fastest=1, vec=1,
+                            **p.variant.params(p.scale, p.nq, p.capacity)).items():  # fmt: skip
+        a[name] = value
+    alibi = arrays["alibi"]
+    if alibi is not None:
+        a["alibi_sb"] = p.hq if alibi.ndim == 2 else 0
+    rec["kc_s"], rec["vc_s"] = _elems(k_cache), _elems(v_cache)
+    if k is not None:
+        rec["kn_s"], rec["vn_s"] = _elems(k), _elems(arrays["v"])
+    if arrays["block_table"] is not None:
+        rec["bt_stride"] = arrays["block_table"].strides[0] // 4
+    for name, value in dict(n_new=p.n_new, page_size=p.page_size, num_pages=p.num_pages,
+                            pages_per_seq=p.pages_per_seq, m_rows=p.group * p.nq, rotary_dim=p.rotary_dim,
+                            rotary_interleaved=int(p.rotary_interleaved), rotary_rows=p.rotary_rows,
+                            rotary_q_step=p.rotary_q_step).items():  # fmt: skip
+        rec[name] = value
+    return _Prepared(p, plan, rec)
+
+
+def _ptr(x: Any) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+def _launch(prep: _Prepared, arrays: dict[str, Any]) -> tuple[Any, Any]:
+    """Allocate o and lse, write this call's pointers (and an int cache_seqlens) into the cached bytes, launch."""
+    import cupy
+
+    from .kernels import build, decode
+
+    p, pl = prep.p, prep.plan
+    o = cupy.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
+    lse = cupy.empty((p.batch, p.hq, p.nq), dtype=_FLOAT32)
+    if o.size == 0:
+        return o, lse
+    rec = prep.record.copy()
+    a = rec["attn"]
+    a["q"], a["o"], a["lse"] = arrays["q"].data.ptr, o.data.ptr, lse.data.ptr
+    a["alibi"], a["sinks"] = _ptr(arrays["alibi"]), _ptr(arrays["sinks"])
+    rec["k_new"], rec["v_new"] = _ptr(arrays["k"]), _ptr(arrays["v"])
+    for name in ("k_cache", "v_cache", "block_table", "cache_batch_idx"):
+        rec[name] = _ptr(arrays[name])
+    lens = arrays["cache_seqlens"]
+    if p.seqlen_const is None:
+        rec["cache_seqlens"] = lens.data.ptr
+    else:
+        rec["seqlen_const"] = int(lens)
+    rows = p.batch * p.hq * p.nq
+    q_rot = None
+    if pl.rotate_q is not None:  # the decode kernel reads q rotated, from a dense copy
+        q_rot = cupy.empty(o.shape, dtype=p.dtype)
+        rec["rotary_cos"], rec["rotary_sin"] = arrays["rotary_cos"].data.ptr, arrays["rotary_sin"].data.ptr
+        rec["q_rot"] = q_rot.data.ptr
+        build.launch_params(pl.rotate_q, rec.tobytes())
+        a["q"] = q_rot.data.ptr
+        a["q_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)
+    if pl.splits > 1:  # static size: cached per device, stream and shape (CUDA-graph capturable)
+        wkey = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
+        ws = _workspace.get(wkey)
+        if ws is None:
+            ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, p.d), _FLOAT32),
+                                     cupy.empty((pl.splits, rows), _FLOAT32))  # fmt: skip
+        rec["o_part"], rec["lse_part"] = ws[0].data.ptr, ws[1].data.ptr
+    args = rec.tobytes()
+    if pl.append is not None:
+        build.launch_params(pl.append, args)
+    build.launch_params(pl.decode, args)
+    if pl.splits > 1:
+        decode.launch_merge(ws[0], ws[1], o, lse, arrays["sinks"], rows, pl.splits, p.d, p.nq, p.hq)
+    return o, lse
