@@ -6,6 +6,12 @@ __version__ = "0.1.0"
 from . import reference
 from ._cuda_env import gpu_status
 from .api import attention, attention_backward, attention_forward, attention_vjp
+from .varlen_api import (
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+    attention_varlen_vjp,
+)
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -18,6 +24,10 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_vjp",
+    "attention_varlen",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+    "attention_varlen_vjp",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

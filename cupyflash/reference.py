@@ -306,3 +306,13 @@ from .linear_reference import (  # noqa: E402, F401
     linear_attention_forward,
     linear_attention_vjp,
 )
+
+# Packed variable-length (varlen) batches: the dense reference per sequence, also in this namespace.
+from .varlen_reference import (  # noqa: E402, F401
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+    attention_varlen_vjp,
+    tiled_attention_varlen_backward,
+    tiled_attention_varlen_forward,
+)
