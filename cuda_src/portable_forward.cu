@@ -45,15 +45,18 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
     const int lane = threadIdx.x % LANES, g = threadIdx.x / LANES;
     const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
-    const int nq = p.nq, nk = p.nk, d = p.d;
+    const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths
+    if (r0 >= seq.nq) return;                     // past this sequence's queries (never when dense)
+    const int nq = seq.nq, nk = seq.nk, d = p.d;
     const float scale_log2 = p.scale_log2;
     const bool v16 = p.vec != 0;
-    Policy pol(p);
+    Policy pol(p, seq);
     pol.score.at_head(p, b, h);
 
-    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
-    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
-    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n, p.q_s.n,
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
+    const long long qrow = (long long)seq.q_row0 + r0;
+    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + qrow * p.q_s.n, p.q_s.n,
                                   nq - r0, d, v16);
 
     float acc[TM][DT];
@@ -133,10 +136,11 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
         const float lt = group_sum<LANES>(l[i]);
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
         if (row < nq) {
-            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + row * p.o_s.n, acc[i], inv,
-                                         lane, d, v16);
+            const long long prow = (long long)seq.q_row0 + row;  // the packed row (= row when dense)
+            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + prow * p.o_s.n, acc[i],
+                                         inv, lane, d, v16);
             if (lane == 0)
-                p.lse[b * p.lse_s.b + h * p.lse_s.h + row * p.lse_s.n] =
+                p.lse[b * p.lse_s.b + h * p.lse_s.h + prow * p.lse_s.n] =
                     lt > 0.f ? m[i] * 0.6931471805599453f + logf(lt) : neg_inf();
         }
     }
