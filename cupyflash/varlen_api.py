@@ -7,8 +7,9 @@ own attention problem: it attends only to itself, causal and windows are bottom-
 sequence (its ``Nq_b``, ``Nk_b``), and an empty sequence is allowed.
 
 The array type picks the backend as elsewhere: NumPy arrays run FlashAttention's tiled algorithm in
-float64 NumPy per sequence and round once to the input dtype; CuPy arrays are meant for the CUDA
-kernels (not implemented yet: a CuPy call is checked, then raises NotImplementedError).
+float64 NumPy per sequence and round once to the input dtype; CuPy arrays run the CUDA kernels
+(``varlen_cuda``: one launch per pass for the whole pack; the portable family so far, the tensor-core
+families say why not).
 """
 from __future__ import annotations
 
@@ -18,22 +19,12 @@ import numpy as np
 
 from . import varlen_reference
 from .api import NUMPY_BLOCK, _check_kernel, _numpy_kernel
-from .varlen_validation import check_varlen, check_varlen_backward, check_varlen_values
+from .varlen_validation import check_varlen, check_varlen_backward
 
 
 def _check_validate(validate: Any) -> None:
     if not isinstance(validate, (bool, np.bool_)):
         raise TypeError(f"validate must be a bool; got {type(validate).__name__}")
-
-
-def _cuda_not_ready(p: Any, validate: bool, cu_seqlens_q: Any, cu_seqlens_k: Any, seqused_k: Any) -> None:
-    """CuPy arrays: the host checks passed (and with ``validate`` the values, one synchronisation)."""
-    if validate:
-        import cupy
-
-        check_varlen_values(cupy, p, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    raise NotImplementedError("attention_varlen_* on CuPy arrays needs the varlen CUDA kernels (issue 14), "
-                              "which are not implemented yet; NumPy arrays run the NumPy backend")  # fmt: skip
 
 
 def attention_varlen_forward(
@@ -65,7 +56,8 @@ def attention_varlen_forward(
         sinks: float32 ``(Hq,)``: a learnable logit per head in every row's softmax denominator.
         seqused_k: optional int32 ``(B,)``: only the first ``seqused_k[b]`` keys of sequence b are used
             (``Nk_b = seqused_k[b]``; a KV cache with room to spare). The others are never read.
-        kernel: ``"auto"``, ``"wgmma"``, ``"mma"`` or ``"portable"`` as in ``attention_forward``.
+        kernel: ``"auto"``, ``"wgmma"``, ``"mma"`` or ``"portable"`` as in ``attention_forward`` (packed
+            batches run on the portable family for now; naming another raises ``TypeError`` with why).
         validate: check the values of cu_seqlens, seqused_k and max_seqlen_* on the device first (one
             synchronisation; for debugging) and raise ``ValueError`` naming what is wrong. The NumPy
             backend always checks them (it reads them anyway).
@@ -82,7 +74,10 @@ def attention_varlen_forward(
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
                      seqused_k=seqused_k, **variant)  # fmt: skip
     if p.xp == "cupy":
-        _cuda_not_ready(p, validate, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        from . import varlen_cuda
+
+        return varlen_cuda.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernel, bool(validate), alibi_slopes,
+                                   sinks, seqused_k)  # fmt: skip
     _numpy_kernel(kernel)
     o, lse = varlen_reference.tiled_attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale, NUMPY_BLOCK,
@@ -119,7 +114,10 @@ def attention_varlen_backward(
     p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, scale=scale, seqused_k=seqused_k, **variant)  # fmt: skip
     if p.xp == "cupy":
-        _cuda_not_ready(p, validate, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        from . import varlen_cuda
+
+        return varlen_cuda.backward(p, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, kernel, bool(validate),
+                                    alibi_slopes, sinks, seqused_k)  # fmt: skip
     _numpy_kernel(kernel)
     grads = varlen_reference.tiled_attention_varlen_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale,

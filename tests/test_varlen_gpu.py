@@ -9,15 +9,15 @@ Outputs are poisoned through the memory pool: before each call, NaN-filled array
 allocated and freed, so the pool hands those very blocks to the kernels' outputs; a row a kernel forgets to
 write stays NaN and fails the finiteness checks.
 
-The host checks and ``validate=True`` (one synchronisation) run today. The kernels are issue 14's second part:
-until they land, the accuracy tests are strict xfails on NotImplementedError (set ``VARLEN_KERNELS = True``
-with the kernels; a strict xfail that passes fails, so this cannot be forgotten).
+The portable family runs packed batches; the tensor-core families refuse them with a reason (TypeError) until
+their kernels go through ``seq_geometry`` too, so their cases are strict xfails on that TypeError (add the family
+to ``VARLEN_FAMILIES`` with its kernels; a strict xfail that passes fails, so this cannot be forgotten).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, rel_err, requires_gpu
 from test_variants_gpu import assert_fa_criterion, assert_float32_close, family_cases, naive_attention
 
 import cupyflash
@@ -28,10 +28,21 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 if HAS_GPU:
     import cupy
 
-#: The varlen CUDA kernels exist (issue 14, part 2). Until then the accuracy tests are strict xfails.
-VARLEN_KERNELS = False
-_pending = pytest.mark.xfail(not VARLEN_KERNELS, raises=NotImplementedError, strict=True,
-                             reason="varlen CUDA kernels not implemented yet (issue 14)")  # fmt: skip
+#: The families whose kernels run packed batches (issue 14); the others' cases are strict xfails.
+VARLEN_FAMILIES = ("portable",)
+
+
+def _pending(kernel):
+    return pytest.mark.xfail(kernel not in VARLEN_FAMILIES, raises=TypeError, strict=True,
+                             reason=f"the {kernel} family does not run varlen batches yet (issue 14)")  # fmt: skip
+
+
+def varlen_family_cases():
+    out = []
+    for fcase in family_cases():
+        (kernel, dtype_name), marks = (fcase.values, fcase.marks) if hasattr(fcase, "values") else (fcase, ())
+        out.append(pytest.param(kernel, dtype_name, marks=(*marks, _pending(kernel))))
+    return out
 
 #: Head dim per family (mma/wgmma need D % 8 == 0, wgmma 32 < D <= 128), rotated over the cases.
 FAMILY_DIMS = {"portable": [40, 64, 128], "mma": [64, 96, 128], "wgmma": [64, 128]}
@@ -61,7 +72,7 @@ def case_params():
         dims = FAMILY_DIMS[kernel]
         for i, case in enumerate(CASES):
             d = dims[(i + f) % len(dims)]
-            out.append(pytest.param(kernel, dtype_name, case, d, marks=(*marks, _pending),
+            out.append(pytest.param(kernel, dtype_name, case, d, marks=(*marks, _pending(kernel)),
                                     id=f"{kernel}-{dtype_name}-{case[0]}-d{d}"))  # fmt: skip
     return out
 
@@ -192,8 +203,7 @@ def test_varlen(kernel, dtype_name, case, d, rng):
     check_pack(kernel, dtype_name, q, k, v, do, packing, causal, scale, kw)
 
 
-@_pending
-@pytest.mark.parametrize("kernel,dtype_name", family_cases())
+@pytest.mark.parametrize("kernel,dtype_name", varlen_family_cases())
 def test_strided_views_seqused_k_and_vjp(kernel, dtype_name, rng):
     """q/k/v as strided views (every other row of a wider array), seqused_k, every variant, through the vjp."""
     case = ("strided", [70, 3, 200], [90, 40, 220], 4, 2, dict(window=(40, 3), softcap=30.0, alibi="seq", sinks=True))
@@ -216,8 +226,7 @@ def test_strided_views_seqused_k_and_vjp(kernel, dtype_name, rng):
     assert not grads[1].get()[unused].any() and not grads[2].get()[unused].any()
 
 
-@_pending
-@pytest.mark.parametrize("kernel,dtype_name", family_cases())
+@pytest.mark.parametrize("kernel,dtype_name", varlen_family_cases())
 def test_wrong_cu_seqlens_stay_inside_the_arrays(kernel, dtype_name, rng):
     """Values that break the contract (past total, decreasing, longer than max_seqlen) must not fault or write
     outside o/lse/dq/dk/dv: guard bands around every output stay untouched (run under compute-sanitizer too)."""
@@ -283,8 +292,38 @@ def test_validate_checks_values_on_the_device(rng, bad):
 
 def test_validate_passes_a_good_pack(rng):
     (q, k, v), pk = _small(rng)
-    if VARLEN_KERNELS:
-        cupyflash.attention_varlen_forward(q, k, v, *pk, validate=True)
-    else:
-        with pytest.raises(NotImplementedError, match="varlen CUDA kernels"):
-            cupyflash.attention_varlen_forward(q, k, v, *pk, validate=True)
+    o, lse = cupyflash.attention_varlen_forward(q, k, v, *pk, validate=True)
+    assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+
+
+def test_tensor_core_families_say_why_not(rng):
+    (q, k, v), pk = _small(rng)
+    q, k, v = (x.astype(cupy.float16) for x in (q, k, v))
+    with pytest.raises(TypeError, match="does not run packed varlen batches yet"):
+        cupyflash.attention_varlen_forward(q, k, v, *pk, kernel="mma")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_equal_lengths_match_the_dense_kernel(dtype_name, causal, rng):
+    """A pack of equal sequences is a dense batch: the portable kernels give the dense call's o and lse bit for bit
+    (same tiles, same order of operations), and its gradients up to the dQ atomics' order."""
+    b, n, hq, hk, d = 3, 100, 4, 2, 64
+    dt = DTYPES[dtype_name]
+    q = cupy.asarray(rng.standard_normal((b * n, hq, d)).astype(dt))
+    k = cupy.asarray(rng.standard_normal((b * n, hk, d)).astype(dt))
+    v = cupy.asarray(rng.standard_normal((b * n, hk, d)).astype(dt))
+    do = cupy.asarray(rng.standard_normal((b * n, hq, d)).astype(dt))
+    cu_q = cupy.asarray(cu([n] * b))
+    o, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_q, n, n, causal, kernel="portable")
+    dense = lambda x: x.reshape(b, n, *x.shape[1:]).transpose(0, 2, 1, 3)  # noqa: E731 - a strided view
+    o_d, lse_d = cupyflash.attention_forward(dense(q), dense(k), dense(v), causal, kernel="portable")
+    np.testing.assert_array_equal(dense(o).get(), o_d.get())
+    np.testing.assert_array_equal(lse.get(), lse_d.get().transpose(1, 0, 2).reshape(hq, b * n))
+    grads = cupyflash.attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_q, n, n, causal, kernel="portable")
+    grads_d = cupyflash.attention_backward(dense(do), dense(q), dense(k), dense(v), o_d, lse_d, causal,
+                                           kernel="portable")  # fmt: skip
+    # dk, dv: the same sums in the same order; dq: float32 atomics, whose order differs run to run
+    for name, g, g_d in zip(("dq", "dk", "dv"), grads, grads_d):
+        err = rel_err(dense(g).get(), g_d.get().astype(np.float64))
+        assert err <= (1e-6 if dtype_name == "float32" else 4e-3), f"{name}: {err:.3g}"
