@@ -360,3 +360,49 @@ def test_backward_checks(rng):
         cf.attention_varlen_backward(do, q, args["k"], args["v"], o[:-1], lse, *cu_args)
     with pytest.raises(TypeError, match="lse.dtype must be float32"):
         cf.attention_varlen_backward(do, q, args["k"], args["v"], o, lse.astype(np.float16), *cu_args)
+
+
+# ---------------------------------------------------------------------------- the kernels' host plan (no GPU needed)
+
+
+def _kernel_problem(rng, dtype=np.float32):
+    from cupyflash.varlen_cuda import _kernel_problem as kernel_problem
+    from cupyflash.varlen_validation import check_varlen
+
+    q, k, v, (cu_q, cu_k, mq, mk), causal, scale, kw = make_case(rng, "one-long", SPECS["all"], dtype=dtype)
+    vp = check_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, scale=scale, **kw)
+    return vp, kernel_problem(vp)
+
+
+def test_kernel_problem_is_the_grid_of_the_pack(rng):
+    vp, p = _kernel_problem(rng)
+    assert p.varlen and not vp.dense.varlen
+    assert (p.batch, p.nq, p.nk, p.total_q, p.total_k) == ((4,), 37, 41, 43, 49)
+    assert p.variant == vp.dense.variant and p.variant.alibi and p.variant.sinks
+
+
+def test_portable_plans_size_rows_by_the_packed_rows(rng):
+    from cupyflash.kernels import mma, portable, wgmma
+    from cupyflash.kernels.family import Geometry
+    from cupyflash.kernels.params import PARAMS
+    from cupyflash.plans import DeviceLimits
+
+    vp, p = _kernel_problem(rng)
+    hq, d = p.hq, p.d
+    strides = {n: (0, d, 2 * d) for n in ("q", "k", "v")}
+    strides.update(o=(0, d, hq * d), lse=(0, p.total_q, 1), alibi=(hq, 1, 0))
+    g = Geometry(4, strides, ({},), True)
+    limits = DeviceLimits(90, 132, 227 * 1024)
+    fwd = portable.forward_plan(p, g, limits)
+    (lp, raw), = fwd.launches
+    rec = np.frombuffer(raw, PARAMS)[0]
+    assert (rec["batch"], rec["nq"], rec["nk"], rec["total_q"], rec["total_k"]) == (4, 37, 41, 43, 49)
+    assert rec["rows"] == hq * 43 and rec["alibi_sb"] == hq and tuple(rec["lse_s"]) == (0, 43, 1)
+    assert lp.grid[1] == 4 * hq  # (query tiles of max_seqlen_q, sequences x heads)
+    bstrides = {**strides, "dout": strides["o"], "dq": strides["o"], "dk": (0, d, 2 * d), "dv": (0, d, 2 * d)}
+    bwd = portable.backward_plan(p, Geometry(4, bstrides, ({},), True), limits)
+    assert {s.field: s.size for s in bwd.scratch} == {"lse_log2": hq * 43, "delta": hq * 43, "dq_accum": hq * 43 * d}
+    delta_launch = bwd.launches[0][0]
+    assert delta_launch.grid[0] * 8 >= hq * 43 > (delta_launch.grid[0] - 1) * 8  # one warp per packed row
+    for fam in (mma, wgmma):
+        assert "varlen" in fam.supports(p, limits)
