@@ -89,14 +89,19 @@ struct SeqGeometry {
   int nq, nk;
 };
 
+// The reads are volatile so that a kernel may call this again inside its main loop and get the values
+// re-read (a few L1 hits per tile) instead of kept live across the loop: dense calls answer from the
+// constant bank as before, and varlen calls cost no registers where the tiles have none to spare.
 __device__ __forceinline__ SeqGeometry seq_geometry(const AttentionParams& p, int b) {
   if (p.cu_seqlens_q == nullptr) return {0, 0, p.nq, p.nk};  // uniform: dense calls pay one test
-  const int q0 = min(max(p.cu_seqlens_q[b], 0), p.total_q);
-  const int q1 = min(max(p.cu_seqlens_q[b + 1], q0), p.total_q);
-  const int k0 = min(max(p.cu_seqlens_k[b], 0), p.total_k);
-  const int k1 = min(max(p.cu_seqlens_k[b + 1], k0), p.total_k);
+  const volatile int* cu_q = p.cu_seqlens_q;
+  const volatile int* cu_k = p.cu_seqlens_k;
+  const int q0 = min(max(cu_q[b], 0), p.total_q);
+  const int q1 = min(max(cu_q[b + 1], q0), p.total_q);
+  const int k0 = min(max(cu_k[b], 0), p.total_k);
+  const int k1 = min(max(cu_k[b + 1], k0), p.total_k);
   int nk = min(k1 - k0, p.nk);
-  if (p.seqused_k != nullptr) nk = min(nk, max(p.seqused_k[b], 0));
+  if (p.seqused_k != nullptr) nk = min(nk, max(static_cast<const volatile int*>(p.seqused_k)[b], 0));
   return {q0, k0, min(q1 - q0, p.nq), nk};
 }
 

@@ -110,17 +110,17 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
     const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int c0 = tc.tile * BC, b = tc.bh / p.hk, hk = tc.bh % p.hk;
-    const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths
-    if (c0 >= seq.nk) return;                     // past this sequence's keys (never when dense)
-    const int nq = seq.nq, nk = seq.nk;
+    // Sequence b's rows and lengths (varlen; dense: the whole problem). They are re-read where needed
+    // below rather than kept live through the loops (the D=64 float tiles sit at 255 registers).
+    const SeqGeometry seq = seq_geometry(p, b);
+    if (c0 >= seq.nk) return;  // past this sequence's keys (never when dense)
     const long long krow = (long long)seq.k_row0 + c0;
     const bool v16 = p.vec != 0;
-    Policy pol(p, seq);
 
     load_tile<T, BC, DP, THREADS>(Ks, static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + krow * p.k_s.n, p.k_s.n,
-                                  nk - c0, d, v16);
+                                  seq.nk - c0, d, v16);
     load_tile<T, BC, DP, THREADS>(Vs, static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + krow * p.v_s.n, p.v_s.n,
-                                  nk - c0, d, v16);
+                                  seq.nk - c0, d, v16);
 
     float dk_acc[TM][DT], dv_acc[TM][DT];
     zero(dk_acc);
@@ -128,18 +128,19 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
 
     // Only the query tiles with a row that may see some key of K_j (under causal, none wholly above
     // the diagonal).
-    const Range qt = tiles_covering(pol.mask.queries_of(c0, c0 + BC), BR);
+    const Range qt = tiles_covering(Policy(p, seq).mask.queries_of(c0, c0 + BC), BR);
 
 #pragma unroll 1
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
-        const T* qh = q + b * p.q_s.b + h * p.q_s.h + seq.q_row0 * sqn;
-        const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h + seq.q_row0 * sdn;
-        const long long rowbase = scratch_row(p, seq, b, h);
-        pol.score.at_head(p, b, h);  // ALiBi slope of this query head
+        const SeqGeometry seq_h = seq_geometry(p, b);
+        const T* qh = q + b * p.q_s.b + h * p.q_s.h + seq_h.q_row0 * sqn;
+        const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h + seq_h.q_row0 * sdn;
+        const long long rowbase = scratch_row(p, seq_h, b, h);
 #pragma unroll 1
         for (int it = qt.begin; it < qt.end; ++it) {
             const int r0 = it * BR;
+            const int nq = seq_geometry(p, b).nq;
             __syncthreads();  // previous tile's products are done with Qs, dOs, Pts, dSts
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
             load_tile<T, BR, DP, THREADS>(dOs, dh + r0 * sdn, sdn, nq - r0, d, v16);
@@ -156,6 +157,9 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Ks + g * TM * LDD, Qs + lane * LDD);    // S^T = K Q^T
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(dp, Vs + g * TM * LDD, dOs + lane * LDD);  // dP^T = V dO^T
 
+            // The policy per tile, after the products (see seq above; dense: from the constant bank).
+            Policy pol(p, seq_geometry(p, b));
+            pol.score.at_head(p, b, h);  // ALiBi slope of this query head
             // Only partial tiles (the end of the keys, the diagonal) test elements.
             const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
@@ -188,7 +192,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
 #pragma unroll
                 for (int i = 0; i < TMQ; ++i) {
                     const int row = r0 + gq * TMQ + i;
-                    if (row < nq) {
+                    if (row < seq_geometry(p, b).nq) {
                         float* dst = dq_acc + (rowbase + row) * d;
 #pragma unroll
                         for (int c = 0; c < DTQ; ++c) {
@@ -201,11 +205,12 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
         }
     }
 
+    const SeqGeometry seq_e = seq_geometry(p, b);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int key = c0 + g * TM + i;
-        if (key < nk) {
-            const long long prow = (long long)seq.k_row0 + key;  // the packed row (= key when dense)
+        if (key < seq_e.nk) {
+            const long long prow = (long long)seq_e.k_row0 + key;  // the packed row (= key when dense)
             T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hk * p.dk_s.h + prow * p.dk_s.n;
             T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hk * p.dv_s.h + prow * p.dv_s.n;
             store_row<T, DT, VEC, LANES>(dk_row, dk_acc[i], scale, lane, d, v16);
