@@ -265,7 +265,7 @@ def test_host_checks_on_cupy_arrays(rng):
     with pytest.raises(TypeError, match="cu_seqlens_k.dtype must be int32"):
         cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k.astype(cupy.int64), mq, mk)
     with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
-        cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, cupy.int32(mq), mk)
+        cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_k, cupy.asarray(mq), mk)
     with pytest.raises(TypeError, match="arrays must all be NumPy or all be CuPy"):
         cupyflash.attention_varlen_forward(q, k.get(), v, cu_q, cu_k, mq, mk)
 
