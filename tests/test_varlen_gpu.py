@@ -280,7 +280,7 @@ def test_validate_checks_values_on_the_device(rng, bad):
         cu_k = cu_k.copy()
         cu_k[-1] -= 1
     elif bad == "decreasing":
-        cu_q = cupy.asarray(np.array([0, 40, 30, int(cu_q[-1])], np.int32))
+        cu_q = cupy.asarray(np.array([0, 40, 30, 100, int(cu_q[-1])], np.int32))  # B + 1 = 5 entries
     elif bad == "max_seqlen":
         mk = 10
     else:
