@@ -35,6 +35,12 @@ struct AttentionParams {
   const float* alibi;
   const float* sinks;
   float* dsinks;
+  // Varlen (issue 14): packed sequences, FlashAttention's layout; all null for a dense call. Sequence b
+  // owns q rows cu_seqlens_q[b]..cu_seqlens_q[b + 1] and k/v rows cu_seqlens_k[b].. (its first
+  // seqused_k[b] keys when given); seq_geometry() below is the one place that reads them.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_k;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 
@@ -53,6 +59,10 @@ struct AttentionParams {
   int window_left, window_right;  // Window: query q sees keys q + nk - nq - left .. q + nk - nq + right
   float softcap_scale;            // scale / softcap: the argument of tanh per raw q . k
   float softcap_log2;             // softcap * log2(e): the capped score in log2 units
+
+  // Varlen (issue 14): the packed row counts (nq, nk above are then max_seqlen_q/k, the grid's extent,
+  // and batch the number of sequences).
+  int total_q, total_k;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest
@@ -67,6 +77,45 @@ struct TileCoord {
 __device__ __forceinline__ TileCoord tile_coord(const AttentionParams& p) {
   if (p.heads_fastest) return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(gridDim.y)};
   return {static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+}
+
+// Where a block's sequence lies and how long it is. Dense: the whole (b, h) problem (row offsets 0, nq, nk).
+// Varlen: sequence b's first q and k rows in the packed arrays and its own nq, nk, clipped so that no
+// value of cu_seqlens/seqused_k reaches outside [0, total) and no sequence outgrows the grid (nq, nk are
+// max_seqlen_q/k there). Kernels add q_row0/k_row0 rows to their base pointers, build the policy from
+// this nq, nk (masks are bottom-right aligned per sequence), and index scratch rows by scratch_row().
+struct SeqGeometry {
+  int q_row0, k_row0;
+  int nq, nk;
+};
+
+// The reads are volatile so that a kernel may call this again inside its main loop and get the values
+// re-read (a few L1 hits per tile) instead of kept live across the loop: dense calls answer from the
+// constant bank as before, and varlen calls cost no registers where the tiles have none to spare.
+__device__ __forceinline__ SeqGeometry seq_geometry(const AttentionParams& p, int b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0, p.nq, p.nk};  // uniform: dense calls pay one test
+  const volatile int* cu_q = p.cu_seqlens_q;
+  const volatile int* cu_k = p.cu_seqlens_k;
+  const int q0 = min(max(cu_q[b], 0), p.total_q);
+  const int q1 = min(max(cu_q[b + 1], q0), p.total_q);
+  const int k0 = min(max(cu_k[b], 0), p.total_k);
+  const int k1 = min(max(cu_k[b + 1], k0), p.total_k);
+  int nk = min(k1 - k0, p.nk);
+  if (p.seqused_k != nullptr) nk = min(nk, max(static_cast<const volatile int*>(p.seqused_k)[b], 0));
+  return {q0, k0, min(q1 - q0, p.nq), nk};
+}
+
+// The first dense scratch row (dQ accumulator, Delta, lse2) of query head h of sequence/batch b: rows are
+// (b * Hq + h) * Nq + i dense, and h * total_q + q_row0 + i varlen (one row per real query, no padding).
+__device__ __forceinline__ long long scratch_row(const AttentionParams& p, const SeqGeometry& s, int b, int h) {
+  if (p.cu_seqlens_q == nullptr) return ((long long)b * p.hq + h) * p.nq;
+  return (long long)h * p.total_q + s.q_row0;
+}
+
+// The query-row count the per-row kernels (Delta, dQ conversion) decode rows with: Nq dense, total_q
+// varlen (there the scratch rows are the packed (Hq, total_q) rows, as lse is).
+__device__ __forceinline__ int row_extent(const AttentionParams& p) {
+  return p.cu_seqlens_q == nullptr ? p.nq : p.total_q;
 }
 
 }  // namespace cupyflash

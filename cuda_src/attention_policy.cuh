@@ -5,6 +5,7 @@
 // depends on the variant:
 //
 //   Policy pol(p);                        // from the kernel's AttentionParams (run-time arguments)
+//   Policy pol(p, seq);                   // ... for one sequence of a varlen pack (its nq, nk)
 //   pol.mask.visible(q, k)                // may query q see key k? (k >= nk is never visible)
 //   pol.mask.keys_of(q0, q1)              // keys any query of [q0, q1) may see: a Range
 //   pol.mask.queries_of(k0, k1)           // queries that may see any key of [k0, k1): a Range
@@ -40,7 +41,7 @@ __device__ __forceinline__ Range tiles_covering(Range r, int tile) {
 // Every key visible to every query (only the end of the key sequence is masked).
 struct NoMask {
   int nq, nk;
-  __device__ explicit NoMask(const AttentionParams& p) : nq(p.nq), nk(p.nk) {}
+  __device__ NoMask(const AttentionParams&, int nq_, int nk_) : nq(nq_), nk(nk_) {}
   __device__ __forceinline__ bool visible(int, int k) const { return k < nk; }
   __device__ __forceinline__ Range keys_of(int, int) const { return {0, nk}; }
   __device__ __forceinline__ Range queries_of(int, int) const { return {0, nq}; }
@@ -51,7 +52,7 @@ struct NoMask {
 // With Nq > Nk the first Nq - Nk queries see no key at all.
 struct Causal {
   int nq, nk, offset;
-  __device__ explicit Causal(const AttentionParams& p) : nq(p.nq), nk(p.nk), offset(p.nk - p.nq) {}
+  __device__ Causal(const AttentionParams&, int nq_, int nk_) : nq(nq_), nk(nk_), offset(nk_ - nq_) {}
   __device__ __forceinline__ bool visible(int q, int k) const { return k < nk && k <= q + offset; }
   // The last query of the range (clipped to nq) sees the most keys.
   __device__ __forceinline__ Range keys_of(int, int q1) const {
@@ -67,8 +68,8 @@ struct Causal {
 // unbounded side to nk + nq, which reaches past every key.
 struct Window {
   int nq, nk, lo, hi;  // key k visible to q iff q + lo <= k <= q + hi
-  __device__ explicit Window(const AttentionParams& p)
-      : nq(p.nq), nk(p.nk), lo(p.nk - p.nq - p.window_left), hi(p.nk - p.nq + p.window_right) {}
+  __device__ Window(const AttentionParams& p, int nq_, int nk_)
+      : nq(nq_), nk(nk_), lo(nk_ - nq_ - p.window_left), hi(nk_ - nq_ + p.window_right) {}
   __device__ __forceinline__ bool visible(int q, int k) const { return k < nk && k >= q + lo && k <= q + hi; }
   __device__ __forceinline__ Range keys_of(int q0, int q1) const {
     const int last = min(q1, nq) - 1;
@@ -88,7 +89,7 @@ struct Window {
 // Scores as they are: s = scale * q . k. Kernels fold the scale into the exponential's FFMA.
 struct PlainScore {
   static constexpr bool kIdentity = true;
-  __device__ explicit PlainScore(const AttentionParams&) {}
+  __device__ PlainScore(const AttentionParams&, int, int) {}
   __device__ __forceinline__ void at_head(const AttentionParams&, int, int) {}
 };
 
@@ -112,8 +113,8 @@ struct ModScore {
   float scale_log2, cap_scale, cap_log2;  // cap_log2 = 0: no softcap
   int offset;
   float slope_log2 = 0.f;  // -slope_h * log2(e), or 0 without ALiBi
-  __device__ explicit ModScore(const AttentionParams& p)
-      : scale_log2(p.scale_log2), cap_scale(p.softcap_scale), cap_log2(p.softcap_log2), offset(p.nk - p.nq) {}
+  __device__ ModScore(const AttentionParams& p, int nq, int nk)
+      : scale_log2(p.scale_log2), cap_scale(p.softcap_scale), cap_log2(p.softcap_log2), offset(nk - nq) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
@@ -140,14 +141,16 @@ __device__ __forceinline__ float sink_log2(const AttentionParams& p, int h) {
   return p.sinks != nullptr ? p.sinks[h] * kLog2e : -__int_as_float(0x7f800000);
 }
 
-// A variant = a mask and a score rule. Kernels are templates of one Policy type.
+// A variant = a mask and a score rule. Kernels are templates of one Policy type. Masks and scores are
+// built for one problem's nq x nk: the call's (dense), or one packed sequence's (varlen, seq_geometry).
 template <class MaskT, class ScoreT = PlainScore>
 struct Policy {
   using Mask = MaskT;
   using Score = ScoreT;
   Mask mask;
   Score score;
-  __device__ explicit Policy(const AttentionParams& p) : mask(p), score(p) {}
+  __device__ explicit Policy(const AttentionParams& p) : mask(p, p.nq, p.nk), score(p, p.nq, p.nk) {}
+  __device__ Policy(const AttentionParams& p, const SeqGeometry& s) : mask(p, s.nq, s.nk), score(p, s.nq, s.nk) {}
 };
 
 }  // namespace cupyflash

@@ -29,7 +29,7 @@ portable_bwd_delta(const __grid_constant__ AttentionParams p) {
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= p.rows) return;
     const int lane = threadIdx.x % 32;
-    const int hq = p.hq, nq = p.nq;
+    const int hq = p.hq, nq = row_extent(p);  // varlen: the packed rows, as one batch of total_q
     const long long b = row / ((long long)hq * nq);
     const int h = (int)(row / nq % hq), n = (int)(row % nq);
     const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + n * p.o_s.n;
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(256)
 portable_bwd_dq_convert(const __grid_constant__ AttentionParams p) {
     const float* __restrict__ dq_acc = p.dq_accum;
     T* __restrict__ dq = static_cast<T*>(p.dq);
-    const int hq = p.hq, nq = p.nq, d = p.d;
+    const int hq = p.hq, nq = row_extent(p), d = p.d;  // varlen: the packed rows, as one batch of total_q
     const long long total = p.rows * d;  // the dense (B * Hq * Nq, D) accumulator
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -79,7 +79,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
     const float* __restrict__ delta = p.delta;
     float* __restrict__ dq_acc = p.dq_accum;
     const long long sqn = p.q_s.n, sdn = p.dout_s.n;
-    const int nq = p.nq, nk = p.nk, d = p.d, group = p.group;
+    const int d = p.d, group = p.group;
     const float scale_log2 = p.scale_log2, scale = p.scale;
     constexpr int THREADS = BC / TM * LANES;
     constexpr int TN = BR / LANES;
@@ -110,14 +110,17 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
     const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int c0 = tc.tile * BC, b = tc.bh / p.hk, hk = tc.bh % p.hk;
-    const int hq = p.hq;
+    // Sequence b's rows and lengths (varlen; dense: the whole problem). They are re-read where needed
+    // below rather than kept live through the loops (the D=64 float tiles sit at 255 registers).
+    const SeqGeometry seq = seq_geometry(p, b);
+    if (c0 >= seq.nk) return;  // past this sequence's keys (never when dense)
+    const long long krow = (long long)seq.k_row0 + c0;
     const bool v16 = p.vec != 0;
-    Policy pol(p);
 
-    load_tile<T, BC, DP, THREADS>(Ks, static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + c0 * p.k_s.n, p.k_s.n,
-                                  nk - c0, d, v16);
-    load_tile<T, BC, DP, THREADS>(Vs, static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + c0 * p.v_s.n, p.v_s.n,
-                                  nk - c0, d, v16);
+    load_tile<T, BC, DP, THREADS>(Ks, static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + krow * p.k_s.n, p.k_s.n,
+                                  seq.nk - c0, d, v16);
+    load_tile<T, BC, DP, THREADS>(Vs, static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + krow * p.v_s.n, p.v_s.n,
+                                  seq.nk - c0, d, v16);
 
     float dk_acc[TM][DT], dv_acc[TM][DT];
     zero(dk_acc);
@@ -125,18 +128,19 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
 
     // Only the query tiles with a row that may see some key of K_j (under causal, none wholly above
     // the diagonal).
-    const Range qt = tiles_covering(pol.mask.queries_of(c0, c0 + BC), BR);
+    const Range qt = tiles_covering(Policy(p, seq).mask.queries_of(c0, c0 + BC), BR);
 
 #pragma unroll 1
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
-        const T* qh = q + b * p.q_s.b + h * p.q_s.h;
-        const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h;
-        const long long rowbase = ((long long)b * hq + h) * nq;
-        pol.score.at_head(p, b, h);  // ALiBi slope of this query head
+        const SeqGeometry seq_h = seq_geometry(p, b);
+        const T* qh = q + b * p.q_s.b + h * p.q_s.h + seq_h.q_row0 * sqn;
+        const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h + seq_h.q_row0 * sdn;
+        const long long rowbase = scratch_row(p, seq_h, b, h);
 #pragma unroll 1
         for (int it = qt.begin; it < qt.end; ++it) {
             const int r0 = it * BR;
+            const int nq = seq_geometry(p, b).nq;
             __syncthreads();  // previous tile's products are done with Qs, dOs, Pts, dSts
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
             load_tile<T, BR, DP, THREADS>(dOs, dh + r0 * sdn, sdn, nq - r0, d, v16);
@@ -153,6 +157,9 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Ks + g * TM * LDD, Qs + lane * LDD);    // S^T = K Q^T
             mma_abT<TM, TN, DP, LDD, LDD, LANES>(dp, Vs + g * TM * LDD, dOs + lane * LDD);  // dP^T = V dO^T
 
+            // The policy per tile, after the products (see seq above; dense: from the constant bank).
+            Policy pol(p, seq_geometry(p, b));
+            pol.score.at_head(p, b, h);  // ALiBi slope of this query head
             // Only partial tiles (the end of the keys, the diagonal) test elements.
             const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
@@ -185,7 +192,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
 #pragma unroll
                 for (int i = 0; i < TMQ; ++i) {
                     const int row = r0 + gq * TMQ + i;
-                    if (row < nq) {
+                    if (row < seq_geometry(p, b).nq) {
                         float* dst = dq_acc + (rowbase + row) * d;
 #pragma unroll
                         for (int c = 0; c < DTQ; ++c) {
@@ -198,12 +205,14 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
         }
     }
 
+    const SeqGeometry seq_e = seq_geometry(p, b);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int key = c0 + g * TM + i;
-        if (key < nk) {
-            T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hk * p.dk_s.h + key * p.dk_s.n;
-            T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hk * p.dv_s.h + key * p.dv_s.n;
+        if (key < seq_e.nk) {
+            const long long prow = (long long)seq_e.k_row0 + key;  // the packed row (= key when dense)
+            T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hk * p.dk_s.h + prow * p.dk_s.n;
+            T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hk * p.dv_s.h + prow * p.dv_s.n;
             store_row<T, DT, VEC, LANES>(dk_row, dk_acc[i], scale, lane, d, v16);
             store_row<T, DT, VEC, LANES>(dv_row, dv_acc[i], 1.f, lane, d, v16);
         }
@@ -219,7 +228,7 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     const float* __restrict__ lse2 = p.lse_log2;
     const float* __restrict__ delta = p.delta;
     const long long skn = p.k_s.n, svn = p.v_s.n;
-    const int nq = p.nq, nk = p.nk, d = p.d;
+    const int d = p.d;
     const float scale_log2 = p.scale_log2;
     constexpr int THREADS = BR / TM * LANES;
     constexpr int TN = BC / LANES;
@@ -243,13 +252,17 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
+    const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths
+    if (r0 >= seq.nq) return;                     // past this sequence's queries (never when dense)
+    const int nq = seq.nq, nk = seq.nk;
     const bool v16 = p.vec != 0;
-    Policy pol(p);
+    Policy pol(p, seq);
     pol.score.at_head(p, b, h);
-    const long long rowbase = ((long long)b * p.hq + h) * nq;
+    const long long rowbase = scratch_row(p, seq, b, h);
+    const long long qrow = (long long)seq.q_row0 + r0;
 
-    const T* qi = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n;
-    const T* doi = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + r0 * p.dout_s.n;
+    const T* qi = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + qrow * p.q_s.n;
+    const T* doi = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + qrow * p.dout_s.n;
     load_tile<T, BR, DP, THREADS>(Qs, qi, p.q_s.n, nq - r0, d, v16);
     load_tile<T, BR, DP, THREADS>(dOs, doi, p.dout_s.n, nq - r0, d, v16);
     if (tid < BR) {
@@ -257,8 +270,8 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
         lse2s[tid] = in ? lse2[rowbase + r0 + tid] : neg_inf();
         deltas[tid] = in ? delta[rowbase + r0 + tid] : 0.f;
     }
-    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
-    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * skn;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * svn;
 
     float acc[TM][DT];
     zero(acc);
@@ -306,7 +319,8 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     for (int i = 0; i < TM; ++i) {
         const int row = r0 + g * TM + i;
         if (row < nq)
-            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + row * p.dq_s.n, acc[i],
-                                         p.scale, lane, d, v16);
+            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h +
+                                             ((long long)seq.q_row0 + row) * p.dq_s.n,
+                                         acc[i], p.scale, lane, d, v16);
     }
 }

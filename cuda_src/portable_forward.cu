@@ -45,15 +45,16 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
     const int lane = threadIdx.x % LANES, g = threadIdx.x / LANES;
     const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
-    const int nq = p.nq, nk = p.nk, d = p.d;
+    const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths
+    if (r0 >= seq.nq) return;                     // past this sequence's queries (never when dense)
+    const int nq = seq.nq, d = p.d;
     const float scale_log2 = p.scale_log2;
     const bool v16 = p.vec != 0;
-    Policy pol(p);
-    pol.score.at_head(p, b, h);
 
-    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
-    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
-    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n, p.q_s.n,
+    const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
+    const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
+    const long long qrow = (long long)seq.q_row0 + r0;
+    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + qrow * p.q_s.n, p.q_s.n,
                                   nq - r0, d, v16);
 
     float acc[TM][DT];
@@ -67,18 +68,24 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     for (int i = 0; i < TM; ++i) { m[i] = sink; l[i] = l0; }
 
     // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
-    const Range kt = tiles_covering(pol.mask.keys_of(r0, r0 + BR), BC);
+    const Range kt = tiles_covering(Policy(p, seq).mask.keys_of(r0, r0 + BR), BC);
 
 #pragma unroll 1
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();  // previous P V done with KVs and Ps
-        load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, nk - c0, d, v16);
+        load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, seq_geometry(p, b).nk - c0, d, v16);
         __syncthreads();
 
         float s[TM][TN];
         zero(s);
         mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Qs + g * TM * LDD, KVs + lane * LDD);
+
+        // The policy is built here, per tile, from the sequence's lengths re-read (varlen; dense: from the
+        // constant bank as before), so that they are not held in registers through the products (the D=64
+        // float tile sits at its 168-register cap).
+        Policy pol(p, seq_geometry(p, b));
+        pol.score.at_head(p, b, h);
 
         // Score variants (softcap, ALiBi) in place, in their own pass: fused into the masking loop below,
         // the D=64 Window tile spilled on sm_90a at its 168-register cap.
@@ -121,22 +128,24 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
             for (int c = 0; c < DT; ++c) acc[i][c] *= alpha;
         }
         __syncthreads();  // all of S done with K_j; P complete
-        load_tile<T, BC, DP, THREADS>(KVs, vb + c0 * p.v_s.n, p.v_s.n, nk - c0, d, v16);
+        load_tile<T, BC, DP, THREADS>(KVs, vb + c0 * p.v_s.n, p.v_s.n, seq_geometry(p, b).nk - c0, d, v16);
         __syncthreads();
         mma_ab<TM, DT, LANES, BC, LDP, LDD>(acc, Ps + g * TM * LDP, KVs + lane * VEC);
     }
 
     // Epilogue: O_i = acc / l, lse = ln(2^m * l). A row with no visible key and no sink gets 0 and -inf.
+    const SeqGeometry rows = seq_geometry(p, b);  // re-read, as in the loop
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = r0 + g * TM + i;
         const float lt = group_sum<LANES>(l[i]);
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
-        if (row < nq) {
-            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + row * p.o_s.n, acc[i], inv,
-                                         lane, d, v16);
+        if (row < rows.nq) {
+            const long long prow = (long long)rows.q_row0 + row;  // the packed row (= row when dense)
+            store_row<T, DT, VEC, LANES>(static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + prow * p.o_s.n, acc[i],
+                                         inv, lane, d, v16);
             if (lane == 0)
-                p.lse[b * p.lse_s.b + h * p.lse_s.h + row * p.lse_s.n] =
+                p.lse[b * p.lse_s.b + h * p.lse_s.h + prow * p.lse_s.n] =
                     lt > 0.f ? m[i] * 0.6931471805599453f + logf(lt) : neg_inf();
         }
     }

@@ -7,6 +7,12 @@ from . import reference
 from ._cuda_env import gpu_status
 from .api import attention, attention_backward, attention_forward, attention_vjp
 from .kvcache import attention_with_kvcache, merge_attention_states
+from .varlen_api import (
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+    attention_varlen_vjp,
+)
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -21,6 +27,10 @@ __all__ = [
     "attention_vjp",
     "attention_with_kvcache",
     "merge_attention_states",
+    "attention_varlen",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+    "attention_varlen_vjp",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

@@ -309,3 +309,12 @@ from .linear_reference import (  # noqa: E402, F401
 
 # So does the KV-cache reference (decode with in-place append, paged caches) and the log-sum-exp merge.
 from .kvcache_reference import attention_with_kvcache, merge_attention_states  # noqa: E402, F401
+# Packed variable-length (varlen) batches: the dense reference per sequence, also in this namespace.
+from .varlen_reference import (  # noqa: E402, F401
+    attention_varlen,
+    attention_varlen_backward,
+    attention_varlen_forward,
+    attention_varlen_vjp,
+    tiled_attention_varlen_backward,
+    tiled_attention_varlen_forward,
+)

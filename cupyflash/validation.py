@@ -31,6 +31,14 @@ class AttentionProblem:
     variant: Variant  # mask and score rule: the C++ policy, the reference's rule, grid order
     scale: float
     xp: str  # "numpy" or "cupy"
+    # Varlen (issue 14): packed row counts, None for a dense call. A varlen kernel problem has batch (B,) =
+    # the sequences and nq, nk = max_seqlen_q/k (the grid's extent); kernels read each sequence's own.
+    total_q: int | None = None
+    total_k: int | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.total_q is not None
 
     @property
     def causal(self) -> bool:

@@ -99,9 +99,11 @@ def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: 
     if "alibi" in g.strides:
         fields["alibi_sb"] = g.strides["alibi"][0]
     fields.update(p.variant.params(p.scale, p.nq, p.nk))
+    if p.varlen:  # packed sequences: the per-row kernels and scratch cover the (Hq, total_q) rows
+        fields.update(total_q=p.total_q, total_k=p.total_k)
     return Params().set(
         **fields,
-        rows=g.batch * p.hq * p.nq,
+        rows=scratch_rows(p, g),
         batch=g.batch,
         hq=p.hq,
         hk=p.hk,
@@ -114,6 +116,12 @@ def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: 
         heads_fastest=int(heads_fastest),
         **extra,
     )
+
+
+def scratch_rows(p: AttentionProblem, g: Geometry) -> int:
+    """Rows of the backward's dense float32 scratch (Delta, lse2, dQ accumulator): one per query row of
+    every head, B * Hq * Nq dense, Hq * total_q varlen (no padding to max_seqlen_q)."""
+    return p.hq * p.total_q if p.varlen else g.batch * p.hq * p.nq
 
 
 def call_plan(launches: Sequence[LaunchPlan], params: Params, scratch: Sequence[Scratch] = ()) -> CallPlan:

@@ -20,6 +20,7 @@ _STRIDES = np.dtype([("b", "<i8"), ("h", "<i8"), ("n", "<i8")], align=True)
 #: Array pointers, in struct order; they come first so that one pack_into writes them all.
 POINTERS: tuple[str, ...] = (
     "q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "delta", "lse_log2", "alibi", "sinks", "dsinks",
+    "cu_seqlens_q", "cu_seqlens_k", "seqused_k",  # varlen (issue 14)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 
@@ -44,6 +45,9 @@ PARAMS = np.dtype(
         ("window_right", "<i4"),
         ("softcap_scale", "<f4"),
         ("softcap_log2", "<f4"),
+        # varlen (issue 14)
+        ("total_q", "<i4"),
+        ("total_k", "<i4"),
     ],
     align=True,
 )

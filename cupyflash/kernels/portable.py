@@ -22,7 +22,7 @@ from .. import _dtypes
 from ..plans import DeviceLimits
 from ..plans import portable as plans
 from ..validation import MAX_HEAD_DIM, AttentionProblem
-from .family import CallPlan, Geometry, Scratch, base_params, call_plan, entry_points
+from .family import CallPlan, Geometry, Scratch, base_params, call_plan, entry_points, scratch_rows
 
 NAME = "portable"
 NEEDS_ALIGNED_ROWS = False
@@ -65,8 +65,8 @@ def backward_plan(
     """Delta (and lse in log2 units), dK/dV (with dQ atomics, or followed by the dQ pass), the dQ conversion."""
     strategy = dq_strategy or DQ_STRATEGY
     s = _shape(p, g)
-    plan = plans.backward_plan(s, limits, strategy)
-    rows = s.b * s.hq * s.nq
+    rows = scratch_rows(p, g)
+    plan = plans.backward_plan(s, limits, strategy, rows)
     scratch = [Scratch("lse_log2", rows), Scratch("delta", rows)]
     if strategy == "atomic":
         scratch.append(Scratch("dq_accum", rows * s.d, zeroed=True))

@@ -198,11 +198,14 @@ class PortableBackwardPlan:
         return (self.delta, self.kv, self.dq)
 
 
-def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "atomic") -> PortableBackwardPlan:
+def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "atomic",
+                  rows: int | None = None) -> PortableBackwardPlan:  # fmt: skip
+    """``rows``: the per-row kernels' (Delta, dQ conversion) row count when it is not B * Hq * Nq (varlen:
+    Hq * total_q)."""
     if dq_strategy not in ("atomic", "separate"):
         raise ValueError(f"dq_strategy must be 'atomic' or 'separate'; got {dq_strategy!r}")
     ct, dp = ctype(s.dtype), padded_d(s.d)
-    rows = s.b * s.hq * s.nq
+    rows = s.b * s.hq * s.nq if rows is None else rows
     delta_grid = (cdiv(rows, DELTA_THREADS // 32), 1, 1)
     delta = LaunchPlan(BACKWARD_SOURCE, delta_name(ct), delta_grid, (DELTA_THREADS, 1, 1), 0)
     kt, kv_bytes = _pick(KV_TILES, kv_smem, dp, limits)
