@@ -68,6 +68,30 @@ CHUNK = 6
 PLAIN_ONLY = ("sm_86", "sm_89")
 
 
+def array_jobs() -> list[tuple[str, str, str, str]]:
+    """Mask/bias policies (issue 17, ``variants.ARRAYS``): a small representative set, not the cross product
+    (CI time): per family and source, the first few kernel configurations of one 16-bit dtype (fp32 too for
+    the portable family) with each ARRAYS policy, for sm_80 and sm_90a (sm_90a only for wgmma)."""
+    from cupyflash.kernels import mma, portable, wgmma
+    from cupyflash.variants import ARRAYS, Variant
+
+    plain = Variant().cpp_policy
+    jobs = []
+    for fam in (portable, mma, wgmma):
+        per_source: dict[tuple[str, str], int] = {}
+        for source, expr in fam.instantiations():
+            if plain not in expr or "__half" in expr:
+                continue
+            kind = (source, expr.split("<", 1)[0])
+            if per_source.get(kind, 0) >= 2:
+                continue
+            per_source[kind] = per_source.get(kind, 0) + 1
+            for v in ARRAYS:
+                for arch in ARCHS[fam.NAME] if fam.NAME == "wgmma" else ("sm_80", "sm_90a"):
+                    jobs.append((fam.NAME, source, expr.replace(plain, v.cpp_policy), arch))
+    return jobs
+
+
 def all_jobs() -> list[tuple[str, str, str, str]]:
     from cupyflash.kernels import linear, mma, portable, wgmma
     from cupyflash.variants import BUILTIN, PLAIN
@@ -81,7 +105,7 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
                 jobs.append((name, source, expr, arch))
-    return jobs
+    return jobs + array_jobs()
 
 
 def _programs(jobs: list[tuple[str, str, str, str]]) -> list[list[tuple[str, str, str, str]]]:
