@@ -145,6 +145,8 @@ def attention_vjp(
     """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks, ``+ dbias`` with
     ``bias_grad=True``); keywords as in ``attention_forward`` plus ``bias_grad``. Only o and lse stay alive
     in between."""
+    if keywords.get("bias_grad") and keywords.get("bias") is None:  # say so before the forward runs
+        raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
     forward_keywords = {n: x for n, x in keywords.items() if n != "bias_grad"}
     o, lse = attention_forward(q, k, v, causal, scale, **forward_keywords)
 

@@ -277,6 +277,8 @@ def test_validation(rng):
         cupyflash.attention_backward(do, q, k, v, o, lse, bias=np.zeros(full, np.float32), bias_grad=1)
     with pytest.raises(ValueError, match="bias_grad=True needs a bias"):
         reference.attention_vjp(q, k, v, bias_grad=True)
+    with pytest.raises(ValueError, match="bias_grad=True needs a bias"):
+        cupyflash.attention_vjp(q, k, v, bias_grad=True)
     # the reference takes a float64 bias
     reference.attention(q, k, v, bias=np.zeros((NQ, NK)))
 
