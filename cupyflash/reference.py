@@ -105,12 +105,13 @@ def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, 
     raw = p.scale * (Q @ _t(K))
     S = p.variant.scores(xp, raw, slopes, rows, cols, p.nq, p.nk)
     mask, bias = arrays
-    tile = (Ellipsis, slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
-    if bias is not None and len(rows) and len(cols):
-        S = S + bias[tile].astype(np.float64)
     visible = _visible(xp, rows, cols, p)
-    if mask is not None and len(rows) and len(cols):
-        visible = visible & mask[tile]
+    if len(rows) and len(cols):  # (an empty tile has nothing to add or hide)
+        tile = (Ellipsis, slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
+        if bias is not None:
+            S = S + bias[tile].astype(np.float64)
+        if mask is not None:
+            visible = visible & mask[tile]
     S = xp.where(visible, S, NEG_INF)
     return S, raw
 
