@@ -305,3 +305,41 @@ def test_params_get_four_strides_per_score_array():
     rec = np.frombuffer(base_params(p, g, True).to_bytes(), PARAMS)[0]
     assert tuple(rec["mask_s"]) == (0, 0, NK, 1) and tuple(rec["q_s"]) == (1, 2, 3)
     assert "ArrayScore<cupyflash::PlainScore, float>" in p.variant.cpp_policy
+
+
+def test_host_layout_of_broadcast_arrays_through_the_params():
+    """What the CUDA host path writes for a mask and a bias (no GPU needed): the (b, h, q, k) element strides of the
+    broadcast views, the dbias accumulator's, and per-sub-batch byte offsets when the batch dims do not merge."""
+    from cupyflash.cuda_backend import _contiguous_strides, _extra_layout, _geometry
+    from cupyflash.kernels.family import base_params
+    from cupyflash.kernels.params import PARAMS
+    from cupyflash.validation import check_attention
+
+    batch = (3, 2)
+    q = np.zeros((*batch, HQ, NQ, D), np.float32)
+    k = np.zeros((*batch, HK, NK, D), np.float32)
+    mask = np.zeros((3, 1, 1, NQ, 2 * NK), bool)[..., ::2]  # every other column: a key stride of 2 bytes
+    bias = np.zeros((HQ, 1, NK), np.float16)
+    p = check_attention(q, k, k, mask=mask, bias=bias)
+
+    def entry(x):
+        return (x.shape, x.strides, x.itemsize, 0)
+
+    def device_like(x):  # what the layout reads of a CuPy array
+        return type("A", (), {"shape": x.shape, "strides": x.strides, "itemsize": x.itemsize,
+                              "data": type("P", (), {"ptr": 0})})()  # fmt: skip
+
+    layout = {"q": entry(q), "k": entry(k), "v": entry(k), "dbias": (bias.shape, _contiguous_strides(bias.shape, 4), 4, 0)}
+    layout.update(_extra_layout(p, {"mask": device_like(mask), "bias": device_like(bias)}, layout))
+    g = _geometry(p, layout)
+    # mask batch dims (3, 1) broadcast over the second: the batch cannot merge with q's, so one sub-call per outer
+    # index, each with the mask's and q's own byte offsets
+    assert g.batch == 2 and len(g.offsets) == 3
+    assert [o["mask"] for o in g.offsets] == [i * mask.strides[0] for i in range(3)]
+    assert [o["q"] for o in g.offsets] == [i * q.strides[0] for i in range(3)]
+    assert all(o["bias"] == 0 and o["dbias"] == 0 for o in g.offsets)
+    rec = np.frombuffer(base_params(p, g, True).to_bytes(), PARAMS)[0]
+    assert tuple(rec["mask_s"]) == (0, 0, 2 * NK, 2)  # b (inner batch broadcast), h broadcast, q, k (every other)
+    assert tuple(rec["bias_s"]) == (0, NK, 0, 1)
+    assert tuple(rec["dbias_s"]) == (0, NK, 0, 1)
+    assert "ArrayScore<cupyflash::PlainScore, __half>" in p.variant.cpp_policy
