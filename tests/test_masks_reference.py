@@ -200,9 +200,13 @@ def test_fully_masked_rows(rng):
     mask[:, :, 3, :] = False  # row 3 sees nothing
     mask[1, 2, 7, :] = False
     bias = _bias(rng, (HQ, NQ, NK))
-    for fwd, bwd in ((reference.attention_forward, reference.attention_backward),
-                     (lambda *a, **kw: reference.tiled_attention_forward(*a, block_q=4, block_k=4, **kw),
-                      lambda *a, **kw: reference.tiled_attention_backward(*a, block_q=4, block_k=4, **kw))):  # fmt: skip
+    def tiled_fwd(*a, **kw):
+        return reference.tiled_attention_forward(*a, block_q=4, block_k=4, **kw)
+
+    def tiled_bwd(*a, **kw):
+        return reference.tiled_attention_backward(*a, block_q=4, block_k=4, **kw)
+
+    for fwd, bwd in ((reference.attention_forward, reference.attention_backward), (tiled_fwd, tiled_bwd)):
         o, lse = fwd(q, k, v, mask=mask, bias=bias)
         assert np.all(o[:, :, 3] == 0) and np.all(o[1, 2, 7] == 0)
         assert np.all(np.isneginf(lse[:, :, 3])) and np.isneginf(lse[1, 2, 7])
@@ -329,7 +333,8 @@ def test_host_layout_of_broadcast_arrays_through_the_params():
         return type("A", (), {"shape": x.shape, "strides": x.strides, "itemsize": x.itemsize,
                               "data": type("P", (), {"ptr": 0})})()  # fmt: skip
 
-    layout = {"q": entry(q), "k": entry(k), "v": entry(k), "dbias": (bias.shape, _contiguous_strides(bias.shape, 4), 4, 0)}
+    layout = {"q": entry(q), "k": entry(k), "v": entry(k)}
+    layout["dbias"] = (bias.shape, _contiguous_strides(bias.shape, 4), 4, 0)
     layout.update(_extra_layout(p, {"mask": device_like(mask), "bias": device_like(bias)}, layout))
     g = _geometry(p, layout)
     # mask batch dims (3, 1) broadcast over the second: the batch cannot merge with q's, so one sub-call per outer
