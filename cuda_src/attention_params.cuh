@@ -14,6 +14,13 @@ struct Strides {
   long long b, h, n;
 };
 
+// Element strides of the (b, h, q, k) axes of a score-shaped array (masks, biases), 0 where it broadcasts.
+// Within one (b, h) slice offsets are 32-bit (validation checks the span): fewer registers per element.
+struct Strides4 {
+  long long b, h;
+  int q, k;
+};
+
 struct AttentionParams {
   // Arrays. Forward: q, k, v -> o, lse. Backward: dout, q, k, v, o, lse -> dq, dk, dv.
   const void* q;
@@ -41,6 +48,12 @@ struct AttentionParams {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   const int* seqused_k;
+  // User arrays (issue 17): a bool mask (True = may attend) and an additive bias, each read through its own
+  // (b, h, q, k) strides (0 along a broadcast dim, never expanded), and the bias gradient's f32 accumulator
+  // in the bias's own shape (its broadcast dims have stride 0 there too, so atomics sum over them).
+  const unsigned char* mask;
+  const void* bias;
+  float* dbias;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 
@@ -63,6 +76,8 @@ struct AttentionParams {
   // Varlen (issue 14): the packed row counts (nq, nk above are then max_seqlen_q/k, the grid's extent,
   // and batch the number of sequences).
   int total_q, total_k;
+  // Masks and biases (issue 17): element strides of the (b, h, q, k) axes of mask, bias and dbias.
+  Strides4 mask_s, bias_s, dbias_s;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

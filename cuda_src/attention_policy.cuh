@@ -15,6 +15,7 @@
 //   pol.score.log2_score<kFast>(r, q, k)  // r = q . k -> the final score in log2 units
 //   pol.score.ds_factor<kFast>(P, lse2, q, k)  // d(score)/d(scale * q . k), recomputed from P in the backward
 //   sink_logit(p, h)                      // attention sinks: a per-head logit in every row's softmax
+//   pol.score.add_dbias(ds, q, k)         // ArrayScore only (HasBiasGrad): the bias gradient, per pair
 //
 // Kernels visit only the tiles that the ranges cover, test elements only in partial tiles, and never
 // spell out a mask or score rule of their own. Python names the policy type (cupyflash/variants.py) and
@@ -133,6 +134,73 @@ struct ModScore {
     const float t = (lg + lse2 - slope_log2 * fabsf(static_cast<float>(q + offset - k))) / cap_log2;
     return 1.f - t * t;
   }
+};
+
+// Masks and biases given as arrays (issue 17), on top of a built-in score rule Base (PlainScore or
+// ModScore): s = Base(q . k) + bias[b, h, q, k] (after softcap and ALiBi), then -inf where mask[b, h, q, k] is
+// false (ANDed with the built-in mask, which the kernels apply as before). The arrays are read through their
+// (b, h, q, k) strides, 0 along broadcast dims. Either array may be absent (a null pointer: a uniform branch);
+// BiasT is the bias's element type (float when there is none). It lives in the score hook because the score
+// is the hook that knows (b, h); the per-element cost is a load or two, and tiles are skipped only by the
+// built-in mask. With dbias, the backward adds dS = P (dP - Delta) (the gradient of the score after the
+// bias, before the softcap's derivative) into the f32 accumulator through its strides (atomics: broadcast
+// dims have stride 0 there, so each element sums over them).
+template <class Base, class BiasT = float>
+struct ArrayScore {
+  static constexpr bool kIdentity = false;
+  static constexpr bool kBiasGrad = true;
+  Base base;
+  // The kernel's __grid_constant__ params: sizes and (q, k) strides are read from the constant bank where
+  // they are used (the tensor-core kernels run at their register limit; copies would spill).
+  const AttentionParams* P;
+  const unsigned char* mask = nullptr;  // this (b, h)'s slice, or null
+  const BiasT* bias = nullptr;
+  float* dbias = nullptr;
+  __device__ explicit ArrayScore(const AttentionParams& p) : base(p), P(&p) {}
+  __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
+    base.at_head(p, b, h);
+    mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
+    bias = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
+    dbias = p.dbias != nullptr ? p.dbias + b * p.dbias_s.b + h * p.dbias_s.h : nullptr;
+  }
+  __device__ __forceinline__ bool inside(int q, int k) const { return q < P->nq && k < P->nk; }
+  // The bias in log2 units (0 outside the problem: padded rows and keys of a tile read nothing).
+  __device__ __forceinline__ float bias_log2(int q, int k) const {
+    if (bias == nullptr || !inside(q, k)) return 0.f;
+    return to_float<BiasT>(bias[q * P->bias_s.q + k * P->bias_s.k]) * kLog2e;
+  }
+  template <bool kFast>
+  __device__ __forceinline__ float log2_score(float r, int q, int k) const {
+    float x;
+    if constexpr (Base::kIdentity) x = r * P->scale_log2;
+    else x = base.template log2_score<kFast>(r, q, k);
+    x += bias_log2(q, k);
+    if (mask != nullptr && inside(q, k) && !mask[q * P->mask_s.q + k * P->mask_s.k]) x = -__int_as_float(0x7f800000);
+    // One element's loads are used before the next element's are issued: the compiler would otherwise hoist a
+    // whole tile's loads (a register each) and the tensor-core kernels, at their register limit, would spill.
+    asm volatile("" : "+f"(x) : : "memory");
+    return x;
+  }
+  // The bias is added after the softcap, so the softcap's derivative sees the score without it.
+  template <bool kFast>
+  __device__ __forceinline__ float ds_factor(float Pij, float lse2, int q, int k) const {
+    if constexpr (Base::kIdentity) return 1.f;
+    else return base.template ds_factor<kFast>(Pij, lse2 - bias_log2(q, k), q, k);
+  }
+  // dS = P (dP - Delta) of one (q, k) pair into dbias (zeros, and pairs outside the problem, add nothing).
+  __device__ __forceinline__ void add_dbias(float ds, int q, int k) const {
+    if (dbias != nullptr && ds != 0.f && inside(q, k)) atomicAdd(dbias + q * P->dbias_s.q + k * P->dbias_s.k, ds);
+  }
+};
+
+// Does a score type take the bias gradient hook (add_dbias)? Built-in scores do not.
+template <class S, class = void>
+struct HasBiasGrad {
+  static constexpr bool value = false;
+};
+template <class S>
+struct HasBiasGrad<S, decltype(void(S::kBiasGrad))> {
+  static constexpr bool value = S::kBiasGrad;
 };
 
 // Attention sinks: the logit of head h's sink in log2 units (every row's softmax starts from it), or

@@ -127,7 +127,9 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
       const int query = q0 + (lane & 3) * 2 + (e & 1);
       const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
       const float f = score.template ds_factor<true>(pt[e], l2, query, key);
-      ds[e] = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x)) * f;
+      const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
+      if constexpr (HasBiasGrad<Score>::value) score.add_dbias(dsc, query, key);
+      ds[e] = dsc * f;
     }
   }
 }

@@ -176,6 +176,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                     const float pij = zero_p ? 0.f : exp2f(x - L);
                     Pts[(g * TM + i) * LDS + qc] = pij;
                     float ds = pij * (dp[i][t] - deltas[qc]);
+                    if constexpr (HasBiasGrad<typename Policy::Score>::value) pol.score.add_dbias(ds, r0 + qc, key);
                     if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + qc, key);
                     dSts[(g * TM + i) * LDS + qc] = ds;
                 }

@@ -38,7 +38,7 @@ NUMPY_BLOCK = 512
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    kernel: Kernel = "auto",
+    mask: Any = None, bias: Any = None, kernel: Kernel = "auto",
 ) -> tuple[Any, Any]:  # fmt: skip
     """Softmax attention ``o = softmax(scale * q @ k^T) @ v`` and ``lse``, each row's log-sum-exp.
 
@@ -57,7 +57,12 @@ def attention_forward(
         alibi_slopes: float32 ``(Hq,)`` or ``(*batch, Hq)``: ``s -= slope[h] * |i + Nk - Nq - j|`` (ALiBi).
         sinks: float32 ``(Hq,)``: a learnable logit per head in every row's softmax denominator (a key with
             value 0; GPT-OSS). lse includes it, so a row that sees no key still has lse = sink and o = 0.
-            Scores are formed as scale -> softcap -> ALiBi -> window/causal mask -> softmax (with the sink).
+        mask: bool array broadcastable to ``(*batch, Hq, Nq, Nk)``, True = may attend (SDPA's convention),
+            ANDed with causal/window; read through its strides (a broadcast mask is never expanded).
+        bias: float32/float16/bfloat16 array broadcastable to ``(*batch, Hq, Nq, Nk)``, added to the score
+            after softcap and ALiBi (before the masks); read through its strides like ``mask``.
+            Scores are formed as scale -> softcap -> ALiBi -> bias -> window/causal mask and mask -> softmax
+            (with the sink).
         kernel: ``"auto"`` (the fastest family that can run the call), or ``"wgmma"`` (Hopper, fp16/bf16,
             32 < D <= 128), ``"mma"`` (sm_80+, fp16/bf16), ``"portable"`` (any dtype and GPU); a family
             that cannot run the call raises ``TypeError`` with its reason.
@@ -69,7 +74,8 @@ def attention_forward(
     Raises ``TypeError`` / ``ValueError`` naming the argument before anything is launched.
     """
     _check_kernel(kernel)
-    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+               "mask": mask, "bias": bias}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
@@ -99,10 +105,15 @@ def attention_backward(
     softcap: float = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    bias_grad: bool = False,
     kernel: Kernel = "auto",
 ) -> tuple[Any, ...]:
     """Gradients ``(dq, dk, dv)`` of ``attention`` for the output gradient ``do``; with ``sinks`` also
-    ``dsinks`` (float32, ``(Hq,)``, summed over batch and rows).
+    ``dsinks`` (float32, ``(Hq,)``, summed over batch and rows); with ``bias_grad=True`` (which needs a
+    ``bias``) last ``dbias``, the gradient of the bias in its own shape and dtype (summed over the dims it
+    broadcasts along).
 
     ``o`` and ``lse`` are the forward's outputs for the same q, k, v, causal and scale; ``do`` has
     q's shape and dtype. The attention matrix is recomputed tile by tile (FlashAttention's
@@ -112,25 +123,32 @@ def attention_backward(
     ``attention_forward`` (any family's backward runs on any family's forward output).
     """
     _check_kernel(kernel)
-    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+               "mask": mask, "bias": bias}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
-        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, **variant)
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **variant)
+        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, bias_grad=bias_grad, **variant)
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, bias_grad=bias_grad, **variant)
     _numpy_kernel(kernel)
     grads = reference.tiled_attention_backward(do, q, k, v, o, lse, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK,
-                                               **variant)  # fmt: skip
+                                               bias_grad=bias_grad, **variant)  # fmt: skip
     out = tuple(g.astype(p.dtype) for g in grads[:3])
-    return out if sinks is None else (*out, grads[3].astype(np.float32))
+    if sinks is not None:
+        out = (*out, grads[3].astype(np.float32))
+    return out if not bias_grad else (*out, grads[-1].astype(bias.dtype))
 
 
 def attention_vjp(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks); keywords as in
-    ``attention_forward``. Only o and lse stay alive in between."""
-    o, lse = attention_forward(q, k, v, causal, scale, **keywords)
+    """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks, ``+ dbias`` with
+    ``bias_grad=True``); keywords as in ``attention_forward`` plus ``bias_grad``. Only o and lse stay alive
+    in between."""
+    if keywords.get("bias_grad") and keywords.get("bias") is None:  # say so before the forward runs
+        raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
+    forward_keywords = {n: x for n, x in keywords.items() if n != "bias_grad"}
+    o, lse = attention_forward(q, k, v, causal, scale, **forward_keywords)
 
     def vjp(do: Any) -> tuple[Any, ...]:
         return attention_backward(do, q, k, v, o, lse, causal, scale, **keywords)

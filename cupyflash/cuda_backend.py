@@ -15,9 +15,9 @@ import numpy as np
 
 from ._layout import views_of
 from .kernels import dispatch
-from .kernels.family import CallPlan, Geometry, run
+from .kernels.family import SCORE_ARRAYS, CallPlan, Geometry, run
 from .plans import DeviceLimits
-from .validation import AttentionProblem, check_attention, check_backward
+from .validation import AttentionProblem, check_attention, check_backward, score_shape
 
 _FLOAT32 = np.dtype(np.float32)
 _SCALARS = frozenset((type(None), bool, int, float, str))
@@ -40,14 +40,15 @@ def _contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...
 def _geometry(p: AttentionProblem, arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]]) -> Geometry:
     """(B, H, N, D) views of named arrays given as (shape, byte strides, itemsize, base pointer % 16)."""
     b, strides, offsets = views_of({n: a[:3] for n, a in arrays.items()}, len(p.batch))
-    return Geometry(b, strides, offsets, _aligned(arrays))
+    inner = {n: a[1][-1] // a[2] for n, a in arrays.items() if n in SCORE_ARRAYS}
+    return Geometry(b, strides, offsets, _aligned(arrays), inner)
 
 
 def _aligned(arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]]) -> bool:
     """Every row of every array starts on a 16-byte boundary: aligned bases, and every stride but the
     last dim's (of a size > 1 axis) a multiple of 16 bytes. (lse rows are read one float at a time.)"""
     for name, (shape, strides, _, ptr_mod) in arrays.items():
-        if name in ("lse", "alibi"):  # read one float at a time
+        if name in ("lse", "alibi") or name in SCORE_ARRAYS:  # read one element at a time
             continue
         if ptr_mod:
             return False
@@ -92,8 +93,7 @@ def _prepare(
     }
     for n, (shape, dt) in outputs.items():
         layout[n] = (shape, _contiguous_strides(shape, dt.itemsize), dt.itemsize, 0)
-    if "alibi" in extra:  # sinks are one (Hq,) vector for every batch: no view needed
-        layout["alibi"] = _head_layout(extra["alibi"], len(p.batch))
+    layout.update(_extra_layout(p, extra, layout))
     g = _geometry(p, layout)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is allocated
     empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
@@ -123,8 +123,38 @@ def _key_of(x: Any) -> Any:
     return (type(x), x)
 
 
-def _variant_arrays(alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
+def _extra_layout(p: AttentionProblem, extra: dict[str, Any], layout: dict[str, tuple]) -> dict[str, tuple]:
+    """Layout entries of the variant arrays: ALiBi slopes as a per-head view (sinks, one (Hq,) vector for every
+    batch, need none), masks and biases (and a dbias accumulator already in ``layout``) as the full score shape
+    they broadcast to."""
     out = {}
+    if "alibi" in extra:
+        out["alibi"] = _head_layout(extra["alibi"], len(p.batch))
+    for name in SCORE_ARRAYS:
+        if name in extra:
+            x = extra[name]
+            out[name] = _score_layout(x.shape, x.strides, x.itemsize, x.data.ptr % 16, score_shape(p))
+        elif name in layout:
+            out[name] = _score_layout(*layout[name], score_shape(p))
+    return out
+
+
+def _score_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ptr_mod: int,
+                  full: tuple[int, ...]) -> tuple:  # fmt: skip
+    """A mask or bias seen as the (*batch, Hq, Nq, Nk) array it broadcasts to: stride 0 along every dim it
+    broadcasts along (NumPy's rule), its own strides elsewhere. Nothing is expanded or copied."""
+    pad = len(full) - len(shape)
+    shape, strides = (1,) * pad + tuple(shape), (0,) * pad + tuple(strides)
+    bstrides = tuple(0 if n == 1 else s for n, s in zip(shape, strides))
+    return full, bstrides, itemsize, ptr_mod
+
+
+def _variant_arrays(alibi_slopes: Any, sinks: Any, mask: Any = None, bias: Any = None) -> dict[str, Any]:
+    out = {}
+    if mask is not None:
+        out["mask"] = mask
+    if bias is not None:
+        out["bias"] = bias
     if alibi_slopes is not None:
         out["alibi"] = alibi_slopes
     if sinks is not None:
@@ -141,16 +171,18 @@ def _head_layout(x: Any, nbatch: int) -> tuple:
 
 
 def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window_size: Any = None,
-            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:  # fmt: skip
+            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
+            bias: Any = None) -> tuple[Any, Any]:  # fmt: skip
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k), _array_key(v))  # fmt: skip
-    extra = _variant_arrays(alibi_slopes, sinks)
+           _key_of(sinks), _key_of(mask), _key_of(bias), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k),
+           _array_key(v))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
     prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias)  # fmt: skip
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
                         extra)  # fmt: skip
@@ -177,17 +209,22 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
-             window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None):  # fmt: skip
+             window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+             mask: Any = None, bias: Any = None, bias_grad: Any = False):  # fmt: skip
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)))  # fmt: skip
-    extra = _variant_arrays(alibi_slopes, sinks)
+           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), cupy.cuda.runtime.getDevice(),
+           *(_array_key(x) for x in (do, q, k, v, o, lse)))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
     prep = _backward_cache.get(key)
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                           alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
+                           bias_grad=bias_grad)  # fmt: skip
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
+        if bias_grad:  # the f32 accumulator, contiguous in the bias's own shape (broadcast dims: stride 0)
+            outputs["dbias"] = (bias.shape, _FLOAT32)
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
         prep = _prepare(p, kernel, inputs, outputs, lambda f, p, g, lim: f.backward_plan(p, g, lim), extra)
         _backward_cache[key] = prep
@@ -197,20 +234,23 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     dv = cupy.empty(v.shape, dtype=p.dtype)
     dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    dbias = cupy.zeros(bias.shape, dtype=_FLOAT32) if bias_grad else None  # atomics add into it
     if prep.plan is None:
         for g in (dq, dk, dv):
             g.fill(0)
         if dsinks is not None and p.nq and p.batch_size:  # every row is its sink alone: P_sink = 1
             delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1)
             dsinks[...] = -delta.reshape(-1, p.hq, p.nq).sum(axis=(0, 2))
-        return grads
+        return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))
     x = _inputs(prep, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     ptrs = {n: a.data.ptr for n, a in x.items()}
     ptrs.update({n: a.data.ptr for n, a in extra.items()})
     if dsinks is not None:
         ptrs["dsinks"] = dsinks.data.ptr
+    if dbias is not None:
+        ptrs["dbias"] = dbias.data.ptr
     run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr})
-    return grads
+    return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))
 
 
 # ---------------------------------------------------------------------------- one family, given outputs
@@ -220,24 +260,32 @@ def _layout_of(arrays: dict[str, Any]) -> dict[str, tuple]:
     return {n: (x.shape, x.strides, x.itemsize, x.data.ptr % 16) for n, x in arrays.items()}
 
 
-def forward_into(family: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, **options: Any) -> None:
+def forward_into(family: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem,
+                 variant_arrays: dict[str, Any] | None = None, **options: Any) -> None:  # fmt: skip
     """Run ``family``'s forward into the given o and lse (no cache, no dispatch): how tests reach each
     family explicitly, and how benchmarks pass a tile configuration (``options``). The arrays must have
-    a contiguous last dim; the family must support the call."""
+    a contiguous last dim; the family must support the call. ``variant_arrays``: the params' variant arrays
+    by field name (alibi, sinks, mask, bias) that ``p.variant`` says the call has."""
     arrays = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
-    g = _geometry(p, _layout_of(arrays))
+    _run_into(family, "forward_plan", arrays, p, variant_arrays or {}, options)
+
+
+def _run_into(family: Any, plan_of: str, arrays: dict[str, Any], p: AttentionProblem, extra: dict[str, Any],
+              options: dict[str, Any]) -> None:  # fmt: skip
+    layout = _layout_of(arrays)
+    layout.update(_extra_layout(p, extra, layout))
+    g = _geometry(p, layout)
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
-    run(family.forward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()})
+    ptrs = {n: x.data.ptr for n, x in {**arrays, **extra}.items()}
+    run(getattr(family, plan_of)(p, g, DeviceLimits.current(), **options), g, ptrs)
 
 
 def backward_into(
     family: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, dq: Any, dk: Any, dv: Any, p: AttentionProblem,
-    **options: Any,
+    variant_arrays: dict[str, Any] | None = None, **options: Any,
 ) -> None:  # fmt: skip
-    """Run ``family``'s backward into the given dq, dk, dv (see ``forward_into``)."""
+    """Run ``family``'s backward into the given dq, dk, dv (see ``forward_into``); ``variant_arrays`` may also
+    hold the gradients' accumulators (dsinks, dbias: float32, zeroed by the caller)."""
     arrays = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    g = _geometry(p, _layout_of(arrays))
-    if family.NEEDS_ALIGNED_ROWS and not g.aligned:
-        raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
-    run(family.backward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()})
+    _run_into(family, "backward_plan", arrays, p, variant_arrays or {}, options)

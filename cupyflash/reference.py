@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .validation import AttentionProblem, array_kind, check_attention, check_backward
+from .validation import AttentionProblem, array_kind, check_attention, check_backward, score_shape
 
 NEG_INF = -np.inf
 
@@ -88,16 +88,47 @@ def _per_head(x: Any, p: AttentionProblem) -> Any:
     return x.reshape(*lead, p.hk, p.group, 1, 1)
 
 
-def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, slopes: Any) -> tuple[Any, Any]:
-    """(S after softcap and ALiBi, S scaled only) on the rows x cols tile, masked to -inf where hidden."""
+def _score_array(x: Any, p: AttentionProblem) -> Any:
+    """A mask or bias broadcastable to (*batch, Hq, Nq, Nk) as a (..., Hk, G, Nq, Nk) view (no copy), or None."""
+    if x is None:
+        return None
+    xp = _xp(p)
+    full = xp.broadcast_to(x, score_shape(p))
+    return full.reshape(*p.batch, p.hk, p.group, p.nq, p.nk)
+
+
+def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, slopes: Any,
+            arrays: tuple[Any, Any] = (None, None)) -> tuple[Any, Any]:  # fmt: skip
+    """(S after softcap, ALiBi and the bias, S scaled only) on the rows x cols tile, masked to -inf where
+    hidden (by the built-in mask or the mask array). ``arrays``: (mask, bias) from ``_score_array``; rows and
+    cols are contiguous ranges."""
     raw = p.scale * (Q @ _t(K))
     S = p.variant.scores(xp, raw, slopes, rows, cols, p.nq, p.nk)
-    S = xp.where(_visible(xp, rows, cols, p), S, NEG_INF)
+    mask, bias = arrays
+    visible = _visible(xp, rows, cols, p)
+    if len(rows) and len(cols):  # (an empty tile has nothing to add or hide)
+        tile = (Ellipsis, slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
+        if bias is not None:
+            S = S + bias[tile].astype(np.float64)
+        if mask is not None:
+            visible = visible & mask[tile]
+    S = xp.where(visible, S, NEG_INF)
     return S, raw
 
 
-def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
-    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+def _dbias(dS: Any, bias: Any, p: AttentionProblem) -> Any:
+    """The bias gradient: dS = d loss / d score, (..., Hk, G, Nq, Nk), summed to the bias's own shape."""
+    full = dS.reshape(score_shape(p))
+    lead = full.ndim - bias.ndim
+    out = full.sum(axis=tuple(range(lead))) if lead else full
+    axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and out.shape[i] != 1)
+    return out.sum(axis=axes, keepdims=True) if axes else out
+
+
+def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
+                    bias: Any = None) -> dict[str, Any]:  # fmt: skip
+    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+            "mask": mask, "bias": bias}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- plain
@@ -105,18 +136,20 @@ def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: An
 
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
-    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
+    bias: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
 
-    scores = scale q k^T, then softcap, then ALiBi, then the causal/window mask; a sink logit per head
-    joins every row's denominator (and its lse)."""
+    scores = scale q k^T, then softcap, then ALiBi, then the bias, then the causal/window mask and the mask
+    array; a sink logit per head joins every row's denominator (and its lse)."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
-    S, _ = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes)  # (..., Hk, G, Nq, Nk)
+    arrays = (_score_array(mask, p), _score_array(bias, p))
+    S, _ = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes, arrays)  # (..., Hk, G, Nq, Nk)
     m = _row_max(xp, S)
     sink = None if sinks is None else _per_head(sinks, p)
     if sink is not None:
@@ -145,44 +178,54 @@ def _dsinks(xp: Any, L: Any, Delta: Any, sinks: Any, p: AttentionProblem) -> Any
 
 
 def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, alibi_slopes: Any,
-              sinks: Any) -> tuple[Any, ...]:  # fmt: skip
+              sinks: Any, mask: Any = None, bias: Any = None, bias_grad: bool = False) -> tuple[Any, ...]:  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     L = lse.astype(np.float64).reshape(*p.batch, p.hk, p.group, p.nq, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
-    S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes)
+    arrays = (_score_array(mask, p), _score_array(bias, p))
+    S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes, arrays)
     P = _probabilities(xp, S, L, xp.isfinite(S))
     dV = P.swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
     dP = dO @ _t(V)
     Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) (+ the sink's share) when o is exact
-    dS = P * (dP - Delta) * p.variant.dscore(xp, raw)
+    dS_score = P * (dP - Delta)  # d loss / d score: the bias's gradient before any reduction
+    dS = dS_score * p.variant.dscore(xp, raw)
     dQ = p.scale * (dS @ K)
     dK = p.scale * (_t(dS) @ Q)
     grads = (dQ.reshape(q.shape), _kv_heads(dK, p), _kv_heads(dV, p))
-    return grads if sinks is None else (*grads, _dsinks(xp, L, Delta, sinks, p))
+    if sinks is not None:
+        grads = (*grads, _dsinks(xp, L, Delta, sinks, p))
+    return grads if not bias_grad else (*grads, _dbias(dS_score, bias, p))
 
 
 def attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None, *,
-    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
+    bias: Any = None, bias_grad: bool = False,
 ) -> tuple[Any, ...]:  # fmt: skip
-    """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, and dsinks (float64,
-    (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks).
+    """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, then dsinks (float64,
+    (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks), then dbias (float64,
+    the bias's shape: d loss / d score summed over the bias's broadcast dims) when ``bias_grad``.
 
     Delta = rowsum(dO * O) uses the given o, as the kernels do. dk and dv have k's and v's
     shapes: under GQA each sums over its group's query heads.
     """
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
-    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks)
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
+    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, mask, bias, bool(bias_grad))
 
 
 def attention_vjp(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **variant: Any
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    """o (float64) and vjp(do) -> (dq, dk, dv[, dsinks]); do has q's shape and dtype (or float64)."""
+    """o (float64) and vjp(do) -> (dq, dk, dv[, dsinks][, dbias]); do has q's shape and dtype (or float64).
+    ``bias_grad=True`` (with a bias) adds dbias."""
+    bias_grad = variant.pop("bias_grad", False)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True, **variant)
+    if bias_grad and variant.get("bias") is None:
+        raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
     o, lse = attention_forward(q, k, v, causal, p.scale, **variant)
 
     def vjp(do: Any) -> tuple[Any, ...]:
@@ -191,7 +234,8 @@ def attention_vjp(
             raise ValueError(f"do must have q's shape {q.shape}; got {do.shape}")
         if np.dtype(do.dtype) not in (p.dtype, np.dtype(np.float64)):
             raise TypeError(f"do.dtype must equal q.dtype ({p.dtype}) or be float64; got {do.dtype}")
-        return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"))
+        return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"),
+                         variant.get("mask"), variant.get("bias"), bool(bias_grad))  # fmt: skip
 
     return o, vjp
 
@@ -213,7 +257,8 @@ def _tile_skipped(p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> bo
 
 def tiled_attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
-    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
+    bias: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
@@ -223,10 +268,11 @@ def tiled_attention_forward(
     """
     _check_blocks(block_q, block_k)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
+    arrays = (_score_array(mask, p), _score_array(bias, p))
     sink = None if sinks is None else _per_head(sinks, p)
     O = xp.zeros(Q.shape)
     lse = xp.full(Q.shape[:-1] + (1,), NEG_INF)
@@ -243,7 +289,7 @@ def tiled_attention_forward(
             j1 = min(j0 + block_k, p.nk)
             if _tile_skipped(p, i0, i1, j0, j1):
                 continue
-            S_ij, _ = _scores(xp, Q_i, K[..., j0:j1, :], p, xp.arange(i0, i1), xp.arange(j0, j1), slopes)
+            S_ij, _ = _scores(xp, Q_i, K[..., j0:j1, :], p, xp.arange(i0, i1), xp.arange(j0, j1), slopes, arrays)
             m_new = xp.maximum(m, _row_max(xp, S_ij))
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)  # row saw no key yet
             P_ij = xp.exp(S_ij - m_safe)
@@ -260,19 +306,23 @@ def tiled_attention_forward(
 def tiled_attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None,
     block_q: int = 64, block_k: int = 64,
-    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
+    bias: Any = None, bias_grad: bool = False,
 ) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
-    accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ."""
+    accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ (and, with ``bias_grad``,
+    each tile's dS into dbias, summed over the bias's broadcast dims as the kernels' atomics do)."""
     _check_blocks(block_q, block_k)
-    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+    p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     L = lse.astype(np.float64).reshape(*p.batch, p.hk, p.group, p.nq, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
     Delta = (dO * O).sum(axis=-1, keepdims=True)
+    arrays = (_score_array(mask, p), _score_array(bias, p))
+    dbias = xp.zeros(bias.shape) if bias_grad else None
     dQ = xp.zeros(Q.shape)
     dK = xp.zeros(K.shape)
     dV = xp.zeros(V.shape)
@@ -286,17 +336,38 @@ def tiled_attention_backward(
             if _tile_skipped(p, i0, i1, j0, j1):
                 continue  # these queries see none of K_j; later Q_i may
             Q_i, dO_i = Q[..., i0:i1, :], dO[..., i0:i1, :]
-            S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes)
+            S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes, arrays)
             P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], xp.isfinite(S_ij))
             dV_j += (_t(P_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: the group shares V_j
             dP_ij = dO_i @ _t(V_j)
-            dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :]) * p.variant.dscore(xp, raw)
+            dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :])
+            if dbias is not None:
+                _add_tile_dbias(xp, dbias, dS_ij, p, i0, i1, j0, j1)
+            dS_ij = dS_ij * p.variant.dscore(xp, raw)
             dQ[..., i0:i1, :] += p.scale * (dS_ij @ K_j)
             dK_j += p.scale * (_t(dS_ij) @ Q_i).sum(axis=-3, keepdims=True)
         dK[..., j0:j1, :] = dK_j
         dV[..., j0:j1, :] = dV_j
     grads = (dQ.reshape(q.shape), dK.reshape(k.shape), dV.reshape(v.shape))
-    return grads if sinks is None else (*grads, _dsinks(xp, L, Delta, sinks, p))
+    if sinks is not None:
+        grads = (*grads, _dsinks(xp, L, Delta, sinks, p))
+    return grads if dbias is None else (*grads, dbias)
+
+
+def _add_tile_dbias(xp: Any, dbias: Any, dS_ij: Any, p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> None:
+    """Add one tile's dS (..., Hk, G, i1 - i0, j1 - j0) into dbias (the bias's shape), summing over the bias's
+    broadcast dims: the tile's rows/cols land where the bias has them, or are summed where it has size 1."""
+    acc = dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)  # a view: at least (rows, cols)
+    tile = dS_ij.reshape(*p.batch, p.hq, i1 - i0, j1 - j0)
+    lead = tile.ndim - acc.ndim
+    if lead:
+        tile = tile.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, n in enumerate(acc.shape) if n == 1 and tile.shape[i] != 1)
+    if axes:
+        tile = tile.sum(axis=axes, keepdims=True)
+    rows = slice(i0, i1) if acc.shape[-2] != 1 else slice(0, 1)
+    cols = slice(j0, j1) if acc.shape[-1] != 1 else slice(0, 1)
+    acc[..., rows, cols] += tile
 
 
 # The linear-attention reference lives in its own module; it is part of this namespace too.

@@ -124,6 +124,30 @@ def _check_head_vector(name: str, x: Any, xp: str, batch: tuple[int, ...], hq: i
         raise ValueError(f"{name} must be contiguous; got strides {x.strides}")
 
 
+def _check_score_array(name: str, x: Any, xp: str, full: tuple[int, ...], dtypes: tuple[np.dtype, ...]) -> None:
+    """A mask or bias: ``xp``'s array kind, one of ``dtypes``, broadcastable to ``full`` = (*batch, Hq, Nq, Nk)
+    (NumPy's rule: trailing dims line up, each 1 or equal)."""
+    kind = array_kind(name, x)
+    if kind != xp:
+        raise TypeError(f"{name} must be a {xp} array like q (no implicit copies); got a {kind} array")
+    if np.dtype(x.dtype) not in dtypes:
+        raise TypeError(f"{name}.dtype must be {' or '.join(str(d) for d in dtypes)}; got {x.dtype}")
+    shape = tuple(x.shape)
+    ok = len(shape) <= len(full) and all(n in (1, m) for n, m in zip(reversed(shape), reversed(full)))
+    if not ok:
+        raise ValueError(f"{name} must broadcast to (*batch, Hq, Nq, Nk) = {full}; got shape {shape}")
+    # Kernels address one (b, h) slice's (q, k) elements with 32-bit offsets (and dbias is contiguous there).
+    tail = [(n, abs(st) // x.itemsize) for n, st in zip(shape[-2:], x.strides[-2:])]
+    if sum((n - 1) * st for n, st in tail) >= 2**31 or math.prod(n for n, _ in tail) >= 2**31:
+        raise ValueError(f"{name}'s (Nq, Nk) slice must span fewer than 2**31 elements; got shape {shape}, "
+                         f"strides {x.strides}")  # fmt: skip
+
+
+def score_shape(p: "AttentionProblem") -> tuple[int, ...]:
+    """(*batch, Hq, Nq, Nk): the shape masks and biases broadcast to."""
+    return (*p.batch, p.hq, p.nq, p.nk)
+
+
 def _c_contiguous(x: Any) -> bool:
     step = x.itemsize
     for n, st in zip(reversed(x.shape), reversed(x.strides)):
@@ -144,11 +168,13 @@ def check_attention(
     softcap: Any = 0.0,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    mask: Any = None,
+    bias: Any = None,
     allow_float64: bool = False,
 ) -> AttentionProblem:
     """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D) and the variant keywords; describe the problem.
 
-    ``allow_float64`` is for the NumPy reference, which also takes float64 inputs.
+    ``allow_float64`` is for the NumPy reference, which also takes float64 inputs (and float64 biases).
     """
     xp = common_kind(q=q, k=k, v=v)
     dtype = _check_dtype("q", q, allow_float64=allow_float64)
@@ -186,7 +212,16 @@ def check_attention(
         _check_head_vector("alibi_slopes", alibi_slopes, xp, tuple(batch), hq, batched=True)
     if sinks is not None:
         _check_head_vector("sinks", sinks, xp, tuple(batch), hq, batched=False)
-    variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None)
+    full = (*batch, hq, nq, k.shape[-2])
+    if mask is not None:
+        _check_score_array("mask", mask, xp, full, (np.dtype(np.bool_),))
+    bias_type = None
+    if bias is not None:
+        ok = _dtypes.SUPPORTED + ((np.dtype(np.float64),) if allow_float64 else ())
+        _check_score_array("bias", bias, xp, full, ok)
+        bias_type = _dtypes.CTYPE.get(np.dtype(bias.dtype), "double")
+    variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None, mask is not None,
+                         bias_type)  # fmt: skip
     return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, variant, float(scale), xp)
 
 
@@ -201,13 +236,19 @@ def check_backward(
     causal: bool = False,
     scale: float | None = None,
     allow_float64: bool = False,
+    bias_grad: Any = False,
     **variant: Any,
 ) -> AttentionProblem:
-    """Check the forward's arguments plus dO, O (q's shape and dtype) and lse (float32, q's shape minus D).
+    """Check the forward's arguments plus dO, O (q's shape and dtype) and lse (float32, q's shape minus D),
+    and ``bias_grad`` (a bool; True needs a ``bias``).
 
     With ``allow_float64`` (the reference) lse may be float32 or float64.
     """
     common_kind(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    if not isinstance(bias_grad, (bool, np.bool_)):
+        raise TypeError(f"bias_grad must be a bool; got {type(bias_grad).__name__}")
+    if bias_grad and variant.get("bias") is None:
+        raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=allow_float64, **variant)
     for name, x in (("do", do), ("o", o)):
         if not (allow_float64 and np.dtype(x.dtype) == np.float64):  # the reference takes exact o, dO

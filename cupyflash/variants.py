@@ -32,6 +32,8 @@ class Variant:
     softcap: s = softcap * tanh(s / softcap) on the scaled score (0: off).
     alibi: slopes are given: s -= slope[h] * |i + Nk - Nq - j|.
     sinks: one logit per query head joins every row's softmax denominator.
+    mask: a bool array (True = may attend) is ANDed with the mask above (issue 17).
+    bias: the C++ element type of an additive bias array (added after softcap and ALiBi), or None.
     """
 
     causal: bool = False
@@ -39,15 +41,19 @@ class Variant:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    mask: bool = False
+    bias: str | None = None
 
     @classmethod
-    def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool) -> "Variant":
+    def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
+           mask: bool = False, bias: str | None = None) -> "Variant":  # fmt: skip
         """The normal form: a window that bounds nothing is no window; causal folds into the window."""
         left, right = (-1, -1) if window_size is None else window_size
         if causal:
             right = 0
         window = None if left < 0 and (right < 0 or (causal and right == 0)) else (left, right)
-        return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks)
+        return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks,
+                   mask=mask, bias=bias)  # fmt: skip
 
     # ------------------------------------------------------------------ the C++ side
 
@@ -57,7 +63,12 @@ class Variant:
 
     @property
     def score_name(self) -> str:
-        return "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
+        base = "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
+        if not (self.mask or self.bias):
+            return base
+        # Mask and bias arrays ride on the built-in score rule (ArrayScore); the bias's type is a template
+        # argument (float when there is no bias: the pointer is then null).
+        return f"ArrayScore<cupyflash::{base}, {self.bias or 'float'}>"
 
     @property
     def cpp_policy(self) -> str:
@@ -143,6 +154,12 @@ BUILTIN: tuple[Variant, ...] = (
     Variant(softcap=30.0),
     Variant(causal=True, softcap=30.0),
     Variant(window=(8, 8), softcap=30.0),
+)
+#: Mask/bias policies (issue 17): a representative few, compiled by CI for every family (not the whole cross
+#: product: each adds one instantiation per kernel configuration).
+ARRAYS: tuple[Variant, ...] = (
+    Variant(causal=True, mask=True, bias="__nv_bfloat16"),
+    Variant(window=(8, 8), softcap=30.0, mask=True, bias="float"),
 )
 PLAIN: tuple[Variant, ...] = BUILTIN[:2]
 

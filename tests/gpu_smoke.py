@@ -33,10 +33,16 @@ def main() -> int:
             # The plain call, then every variant policy at once: a window, softcap, ALiBi and sinks.
             slopes = cupy.asarray(rng.random(hq).astype(np.float32))
             sinks = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+            # Masks and biases (issue 17) read through broadcast strides: a key-padding mask and a per-head bias
+            # with its gradient (the atomics address the bias's own shape).
+            mask = cupy.asarray(rng.random((1, 1, 1, nk)) < 0.8)
+            bias = cupy.asarray(rng.standard_normal((hq, 1, nk)).astype(dtype))
             for label, kw in (("plain", {}), ("variants", dict(window_size=(9, 5), softcap=20.0,
-                                                                alibi_slopes=slopes, sinks=sinks))):
+                                                                alibi_slopes=slopes, sinks=sinks)),
+                              ("masks", dict(mask=mask, bias=bias, softcap=20.0))):  # fmt: skip
                 o, lse = cupyflash.attention_forward(q, k, v, causal=causal, kernel=kernel, **kw)
-                grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, **kw)
+                bkw = dict(kw, bias_grad=True) if "bias" in kw else kw
+                grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, **bkw)
                 finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
                 print(f"{kernel:8s} {str(dtype):8s} hq={hq} hk={hk} nq={nq} nk={nk} d={d} causal={causal} {label}: "
                       f"{'ok' if finite else 'NON-FINITE'}")

@@ -69,6 +69,30 @@ CHUNK = 6
 PLAIN_ONLY = ("sm_86", "sm_89")
 
 
+def array_jobs() -> list[tuple[str, str, str, str]]:
+    """Mask/bias policies (issue 17, ``variants.ARRAYS``): a small representative set, not the cross product
+    (CI time): per family and source, the first two kernel configurations of bfloat16 (float32 for the portable
+    family) with each ARRAYS policy, for one architecture per family (sm_80; sm_90a for wgmma): the built-in
+    policies already cover the architectures. 30 instantiations."""
+    from cupyflash.kernels import mma, portable, wgmma
+    from cupyflash.variants import ARRAYS, Variant
+
+    plain = Variant().cpp_policy
+    jobs = []
+    for fam in (portable, mma, wgmma):
+        per_source: dict[tuple[str, str], int] = {}
+        for source, expr in fam.instantiations():
+            if plain not in expr or "__half" in expr:
+                continue
+            kind = (source, expr.split("<", 1)[0])
+            if per_source.get(kind, 0) >= 2:
+                continue
+            per_source[kind] = per_source.get(kind, 0) + 1
+            for v in ARRAYS:
+                jobs.append((fam.NAME, source, expr.replace(plain, v.cpp_policy), ARCHS[fam.NAME][0]))
+    return jobs
+
+
 def all_jobs() -> list[tuple[str, str, str, str]]:
     from cupyflash.kernels import decode, linear, mma, portable, wgmma
     from cupyflash.variants import BUILTIN, PLAIN
@@ -82,7 +106,7 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
                 jobs.append((name, source, expr, arch))
-    return jobs
+    return jobs + array_jobs()
 
 
 def _programs(jobs: list[tuple[str, str, str, str]]) -> list[list[tuple[str, str, str, str]]]:
@@ -122,7 +146,25 @@ def compiled(pytestconfig) -> dict:
     return out
 
 
+#: Mask/bias policies (issue 17, ``ArrayScore``): spill and stack bytes allowed per kernel, the largest measured
+#: with NVRTC 13.5 on the representative set (``array_jobs``) rounded up. Why: ``log2_score`` loads a mask byte
+#: and a bias element per score (and the backward's softcap derivative reloads the bias, ``add_dbias`` adds an
+#: atomic per pair) in kernels that already sit at 255 registers (168 for the portable D=64 forward's 3 blocks).
+#: Spill-free there: the portable backward, the mma D=32 kernels and the wgmma D=128 forward. The heaviest is the
+#: wgmma D=64 backward with Window + softcap (848 B). Their speed is not yet measured (benchmarks/NOTES.md).
+ARRAY_SPILL_ALLOWANCE: dict[str, int] = {
+    "portable_fwd<": 128,
+    "mma_flash_fwd<": 64,
+    "mma_flash_bwd<": 320,
+    "mma_flash_bwd2d<": 448,
+    "wgmma_flash_fwd<": 96,
+    "wgmma_flash_bwd<": 864,
+}
+
+
 def allowance(name: str, arch: str) -> int:
+    if "ArrayScore<" in name:
+        return max((n for prefix, n in ARRAY_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     for (prefix, a), nbytes in SPILL_ALLOWANCE.items():
         if name.startswith(prefix) and a in ("*", arch):
             return nbytes

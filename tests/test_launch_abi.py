@@ -56,13 +56,14 @@ def _ptx(source: str, names: list[str], arch: str | None = None) -> str:
 
 def _layout_probe(offset_of) -> list[int]:
     """sizeof(AttentionParams) and every field's offset, as NVRTC computes them (read from the PTX initializer)."""
-    from cupyflash.kernels.params import field_offsets
+    from cupyflash.kernels.params import STRIDE4_FIELDS, field_offsets
 
     exprs = ["sizeof(cupyflash::AttentionParams)"]
     for m in field_offsets():  # nested stride members as two offsets
         outer, _, inner = m.partition(".")
+        inner_type = "cupyflash::Strides4" if outer in STRIDE4_FIELDS else "cupyflash::Strides"
         exprs.append(offset_of("cupyflash::AttentionParams", outer)
-                     + (" + " + offset_of("cupyflash::Strides", inner) if inner else ""))  # fmt: skip
+                     + (" + " + offset_of(inner_type, inner) if inner else ""))  # fmt: skip
     probe = (
         '#include "attention_params.cuh"\n'
         "extern \"C\" __device__ unsigned long long cupyflash_layout[] = {\n  "

@@ -14,7 +14,7 @@ a plan depends on array contents or addresses, only on shapes, strides, dtypes a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import sys
 import threading
 from typing import Any, Callable, Protocol, Sequence
@@ -40,6 +40,12 @@ class Geometry:
     strides: dict[str, tuple[int, int, int]]
     offsets: tuple[dict[str, int], ...]
     aligned: bool  # every row of every array starts on a 16-byte boundary
+    #: Score-shaped arrays (mask, bias, dbias; issue 17): the element stride of their last (key) axis, which
+    #: may be anything (0 where the array broadcasts along the keys).
+    inner: dict[str, int] = field(default_factory=dict)
+
+#: Arrays shaped like the scores, (*batch, Hq, Nq, Nk) by broadcasting: their params get (b, h, q, k) strides.
+SCORE_ARRAYS = ("mask", "bias", "dbias")
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,10 @@ class Family(Protocol):  # pragma: no cover - a description of the module interf
 
 def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: Any) -> Params:
     """The fields every kernel of a call shares: sizes, strides, scales, grid order, the variant's scalars."""
-    fields = {f"{name}_s": s for name, s in g.strides.items() if name != "alibi"}
+    fields = {f"{name}_s": s for name, s in g.strides.items() if name != "alibi" and name not in SCORE_ARRAYS}
+    for name in SCORE_ARRAYS:
+        if name in g.strides:
+            fields[f"{name}_s"] = (*g.strides[name], g.inner[name])
     if "alibi" in g.strides:
         fields["alibi_sb"] = g.strides["alibi"][0]
     fields.update(p.variant.params(p.scale, p.nq, p.nk))

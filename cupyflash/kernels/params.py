@@ -16,13 +16,16 @@ from typing import Any
 import numpy as np
 
 _STRIDES = np.dtype([("b", "<i8"), ("h", "<i8"), ("n", "<i8")], align=True)
+_STRIDES4 = np.dtype([("b", "<i8"), ("h", "<i8"), ("q", "<i4"), ("k", "<i4")], align=True)
 
 #: Array pointers, in struct order; they come first so that one pack_into writes them all.
 POINTERS: tuple[str, ...] = (
     "q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "delta", "lse_log2", "alibi", "sinks", "dsinks",
     "cu_seqlens_q", "cu_seqlens_k", "seqused_k",  # varlen (issue 14)
+    "mask", "bias", "dbias",  # masks and biases (issue 17)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
+STRIDE4_FIELDS: tuple[str, ...] = ("mask_s", "bias_s", "dbias_s")
 
 PARAMS = np.dtype(
     [(name, "<u8") for name in POINTERS]
@@ -48,6 +51,10 @@ PARAMS = np.dtype(
         # varlen (issue 14)
         ("total_q", "<i4"),
         ("total_k", "<i4"),
+        # masks and biases (issue 17): (b, h, q, k) element strides
+        ("mask_s", _STRIDES4),
+        ("bias_s", _STRIDES4),
+        ("dbias_s", _STRIDES4),
     ],
     align=True,
 )
@@ -66,7 +73,7 @@ class Params:
     def set(self, **fields: Any) -> "Params":
         """Sizes, strides (3-tuples), scales and flags by field name."""
         for name, value in fields.items():
-            if name in STRIDE_FIELDS:
+            if name in STRIDE_FIELDS or name in STRIDE4_FIELDS:
                 value = tuple(int(s) for s in value)
             self._record[name] = value
         return self
