@@ -156,7 +156,8 @@ struct ArrayScore {
   const unsigned char* mask = nullptr;  // this (b, h)'s slice, or null
   const BiasT* bias = nullptr;
   float* dbias = nullptr;
-  __device__ explicit ArrayScore(const AttentionParams& p) : base(p), P(&p) {}
+  // (Dense calls only: the arrays are indexed by the call's (b, h, q, k), and inside() reads the call's nq, nk.)
+  __device__ ArrayScore(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     base.at_head(p, b, h);
     mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
