@@ -35,6 +35,9 @@ struct AttentionParams {
   const float* alibi;
   const float* sinks;
   float* dsinks;
+  // Deterministic backward (dq_turns.cuh): one int counter per (batch, query head, query tile), zeroed;
+  // nullptr: dQ adds in whatever order the blocks run.
+  int* dq_turns;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 

@@ -5,6 +5,7 @@
 #define CUPYFLASH_MMA_BWD_2D_CUH
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
+#include "dq_turns.cuh"
 
 // The same backward with FlashAttention-2's 2-D warp layout, for large head dims: S^T and dP^T are
 // tiled over kSKeyWarps x (kWarps / kSKeyWarps) warps (keys x queries), so each K_j/V_j and Q_i/dO_i
@@ -289,6 +290,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int m = 0; m < kMQ; ++m) ldmatrix_x4_trans(a[m], ds_a.at(sdS_u, m, ks * 16));
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
+      int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+      const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+      dq_turn_wait(turn_slot, turn);
       float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {
@@ -305,6 +309,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           }
         }
       }
+      dq_turn_pass(turn_slot, turn);
     }
   }
   cp_async_wait<0>();

@@ -5,6 +5,7 @@
 #define CUPYFLASH_MMA_BWD_KEYMAJOR_CUH
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
+#include "dq_turns.cuh"
 
 template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
@@ -221,6 +222,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 
     // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator. (Its lane
     // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
+    int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    dq_turn_wait(turn_slot, turn);
     const int tid_dq = opaque(static_cast<int>(threadIdx.x));
     const int lane_dq = tid_dq % 32;
     const int qs = (tid_dq / 32) % kQRowWarps;  // strip group
@@ -255,6 +259,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         }
       }
     }
+    dq_turn_pass(turn_slot, turn);
   }
   cp_async_wait<0>();
 

@@ -14,6 +14,7 @@
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "wgmma_primitives.cuh"
+#include "dq_turns.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
@@ -254,6 +255,9 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(acc_dv);
     wgmma::fence_operands(pt);
     wgmma::fence_operands(dst);
+    int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    dq_turn_wait(turn_slot, turn);
     {
       float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
       const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
@@ -270,6 +274,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
         }
       }
     }
+    dq_turn_pass(turn_slot, turn);
   }
   cp_async_wait<0>();
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import reference
-from .validation import array_kind, check_attention, check_backward
+from .validation import array_kind, check_attention, check_backward, check_flag
 
 Kernel = str  # "auto", "wgmma", "mma" or "portable" (kernels.dispatch.KERNELS)
 KERNELS = ("auto", "wgmma", "mma", "portable")
@@ -100,6 +100,7 @@ def attention_backward(
     alibi_slopes: Any = None,
     sinks: Any = None,
     kernel: Kernel = "auto",
+    deterministic: bool = False,
 ) -> tuple[Any, ...]:
     """Gradients ``(dq, dk, dv)`` of ``attention`` for the output gradient ``do``; with ``sinks`` also
     ``dsinks`` (float32, ``(Hq,)``, summed over batch and rows).
@@ -110,13 +111,19 @@ def attention_backward(
     group of query heads. The variant keywords must be those of the forward that made o and lse (its lse
     includes the sinks: that is how the backward knows each row's sink share). ``kernel`` as in
     ``attention_forward`` (any family's backward runs on any family's forward output).
+
+    ``deterministic=True`` makes the CUDA backward bitwise reproducible from run to run (any stream, GQA and
+    causal included): the tensor-core families add each key tile's dQ share in key-tile order (ordered
+    turns), the portable family computes dQ in its own pass, and dsinks is summed without atomics. The
+    NumPy backend is always deterministic.
     """
     _check_kernel(kernel)
+    check_flag("deterministic", deterministic)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
     if _is_cupy(q):
         from . import cuda_backend
 
-        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, **variant)
+        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, deterministic=deterministic, **variant)
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, **variant)
     _numpy_kernel(kernel)
     grads = reference.tiled_attention_backward(do, q, k, v, o, lse, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK,
@@ -129,10 +136,12 @@ def attention_vjp(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
     """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks); keywords as in
-    ``attention_forward``. Only o and lse stay alive in between."""
+    ``attention_forward``, plus ``deterministic`` for the backward (see ``attention_backward``). Only o and
+    lse stay alive in between."""
+    deterministic = check_flag("deterministic", keywords.pop("deterministic", False))
     o, lse = attention_forward(q, k, v, causal, scale, **keywords)
 
     def vjp(do: Any) -> tuple[Any, ...]:
-        return attention_backward(do, q, k, v, o, lse, causal, scale, **keywords)
+        return attention_backward(do, q, k, v, o, lse, causal, scale, deterministic=deterministic, **keywords)
 
     return o, vjp

@@ -173,11 +173,13 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
-             window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None):  # fmt: skip
+             window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+             deterministic: bool = False):  # fmt: skip
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)))  # fmt: skip
+           _key_of(sinks), cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),
+           bool(deterministic))  # fmt: skip
     extra = _variant_arrays(alibi_slopes, sinks)
     prep = _backward_cache.get(key)
     if prep is None:
@@ -185,7 +187,8 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
                            alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-        prep = _prepare(p, kernel, inputs, outputs, lambda f, p, g, lim: f.backward_plan(p, g, lim), extra)
+        prep = _prepare(p, kernel, inputs, outputs,
+                        lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra)
         _backward_cache[key] = prep
     p = prep.p
     dq = cupy.empty(q.shape, dtype=p.dtype)
@@ -203,10 +206,23 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     x = _inputs(prep, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     ptrs = {n: a.data.ptr for n, a in x.items()}
     ptrs.update({n: a.data.ptr for n, a in extra.items()})
-    if dsinks is not None:
+    if dsinks is not None and not deterministic:
         ptrs["dsinks"] = dsinks.data.ptr
     run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr})
+    if dsinks is not None and deterministic:  # the kernels' per-row atomics would add in any order
+        dsinks[...] = _dsinks(do, o, lse, sinks, p.hq)
     return grads
+
+
+def _dsinks(do: Any, o: Any, lse: Any, sinks: Any, hq: int) -> Any:
+    """d sink_h = -sum over batch and rows of P_sink * Delta (P_sink = exp(sink_h - lse), 0 where lse = -inf),
+    by CuPy's reductions, whose order is fixed."""
+    import cupy
+
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1)
+    lse32 = lse.astype(np.float32)
+    share = cupy.where(lse32 == -np.inf, np.float32(0), cupy.exp(sinks.reshape(-1, 1) - lse32)) * delta
+    return -share.reshape(-1, hq, share.shape[-1]).sum(axis=(0, 2))
 
 
 # ---------------------------------------------------------------------------- one family, given outputs

@@ -207,3 +207,10 @@ def check_backward(
     if lse.shape != q.shape[:-1]:
         raise ValueError(f"lse must have shape {q.shape[:-1]} (q's shape without D); got {lse.shape}")
     return p
+
+
+def check_flag(name: str, x: Any) -> bool:
+    """A keyword that must be a bool (``deterministic``): 1 or "yes" is a mistake, not a truth value."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {type(x).__name__}")
+    return bool(x)

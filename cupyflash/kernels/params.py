@@ -20,6 +20,7 @@ _STRIDES = np.dtype([("b", "<i8"), ("h", "<i8"), ("n", "<i8")], align=True)
 #: Array pointers, in struct order; they come first so that one pack_into writes them all.
 POINTERS: tuple[str, ...] = (
     "q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "delta", "lse_log2", "alibi", "sinks", "dsinks",
+    "dq_turns",
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 

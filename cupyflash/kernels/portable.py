@@ -60,10 +60,12 @@ def forward_plan(p: AttentionProblem, g: Geometry, limits: DeviceLimits) -> Call
 
 
 def backward_plan(
-    p: AttentionProblem, g: Geometry, limits: DeviceLimits, dq_strategy: plans.DqStrategy | None = None
+    p: AttentionProblem, g: Geometry, limits: DeviceLimits, dq_strategy: plans.DqStrategy | None = None,
+    deterministic: bool = False,
 ) -> CallPlan:
-    """Delta (and lse in log2 units), dK/dV (with dQ atomics, or followed by the dQ pass), the dQ conversion."""
-    strategy = dq_strategy or DQ_STRATEGY
+    """Delta (and lse in log2 units), dK/dV (with dQ atomics, or followed by the dQ pass), the dQ conversion.
+    ``deterministic`` takes the separate dQ pass (each dQ row written once, no atomics)."""
+    strategy = "separate" if deterministic else (dq_strategy or DQ_STRATEGY)
     s = _shape(p, g)
     plan = plans.backward_plan(s, limits, strategy)
     rows = s.b * s.hq * s.nq
