@@ -56,6 +56,12 @@ struct AttentionParams {
   int window_left, window_right;  // Window: query q sees keys q + nk - nq - left .. q + nk - nq + right
   float softcap_scale;            // scale / softcap: the argument of tanh per raw q . k
   float softcap_log2;             // softcap * log2(e): the capped score in log2 units
+
+  // Dropout (dropout.cuh): the seed and first batch index are written per call / per sub-batch launch.
+  unsigned long long dropout_seed;
+  unsigned int dropout_threshold;  // P_ij is kept iff its Philox draw >= this (floor(p * 2^32))
+  float dropout_scale;             // 1 / (1 - p)
+  int dropout_b0;                  // batch index of this launch's first batch (leading dims flattened)
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

@@ -23,6 +23,7 @@
 #pragma once
 #include "attention_params.cuh"
 #include "common.cuh"
+#include "dropout.cuh"
 
 namespace cupyflash {
 
@@ -140,14 +141,16 @@ __device__ __forceinline__ float sink_log2(const AttentionParams& p, int h) {
   return p.sinks != nullptr ? p.sinks[h] * kLog2e : -__int_as_float(0x7f800000);
 }
 
-// A variant = a mask and a score rule. Kernels are templates of one Policy type.
-template <class MaskT, class ScoreT = PlainScore>
+// A variant = a mask, a score rule and (issue 16) dropout. Kernels are templates of one Policy type.
+template <class MaskT, class ScoreT = PlainScore, class DropoutT = NoDropout>
 struct Policy {
   using Mask = MaskT;
   using Score = ScoreT;
+  using Dropout = DropoutT;
   Mask mask;
   Score score;
-  __device__ explicit Policy(const AttentionParams& p) : mask(p), score(p) {}
+  DropoutT dropout;
+  __device__ explicit Policy(const AttentionParams& p) : mask(p), score(p), dropout(p) {}
 };
 
 }  // namespace cupyflash

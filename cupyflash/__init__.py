@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from . import reference
 from ._cuda_env import gpu_status
 from .api import attention, attention_backward, attention_forward, attention_vjp
+from .dropout import dropout_mask
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -18,6 +19,7 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_vjp",
+    "dropout_mask",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

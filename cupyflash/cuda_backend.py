@@ -139,16 +139,19 @@ def _head_layout(x: Any, nbatch: int) -> tuple:
 
 
 def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window_size: Any = None,
-            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:  # fmt: skip
+            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, dropout_p: Any = 0.0,
+            dropout_seed: int | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """``dropout_seed`` is checked by the caller and not part of the signature: it is written per call."""
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k), _array_key(v))  # fmt: skip
+           _key_of(sinks), _key_of(dropout_p), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k),
+           _array_key(v))  # fmt: skip
     extra = _variant_arrays(alibi_slopes, sinks)
     prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                            alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p)  # fmt: skip
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
                         extra)  # fmt: skip
@@ -168,23 +171,27 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
     x = _inputs(prep, {"q": q, "k": k, "v": v})
     ptrs = {n: a.data.ptr for n, a in x.items()}
     ptrs.update({n: a.data.ptr for n, a in extra.items()})
-    run(prep.plan, prep.geometry, {**ptrs, "o": o.data.ptr, "lse": lse.data.ptr})
+    run(prep.plan, prep.geometry, {**ptrs, "o": o.data.ptr, "lse": lse.data.ptr}, _seed_of(p, dropout_seed))
     return o, lse
+
+
+def _seed_of(p: AttentionProblem, seed: int | None) -> int | None:
+    return seed if p.variant.dropout > 0 else None
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
              window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-             deterministic: bool = False):  # fmt: skip
+             dropout_p: Any = 0.0, dropout_seed: int | None = None, deterministic: bool = False):  # fmt: skip
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),
-           bool(deterministic))  # fmt: skip
+           _key_of(sinks), _key_of(dropout_p), cupy.cuda.runtime.getDevice(),
+           *(_array_key(x) for x in (do, q, k, v, o, lse)), bool(deterministic))  # fmt: skip
     extra = _variant_arrays(alibi_slopes, sinks)
     prep = _backward_cache.get(key)
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+                           alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p)  # fmt: skip
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
         prep = _prepare(p, kernel, inputs, outputs,
@@ -208,7 +215,8 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     ptrs.update({n: a.data.ptr for n, a in extra.items()})
     if dsinks is not None and not deterministic:
         ptrs["dsinks"] = dsinks.data.ptr
-    run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr})
+    run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr},
+        _seed_of(p, dropout_seed))
     if dsinks is not None and deterministic:  # the kernels' per-row atomics would add in any order
         dsinks[...] = _dsinks(do, o, lse, sinks, p.hq)
     return grads
@@ -240,7 +248,9 @@ def forward_into(family: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: Atten
     g = _geometry(p, _layout_of(arrays))
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
-    run(family.forward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()})
+    seed = options.pop("dropout_seed", None)
+    run(family.forward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()},
+        _seed_of(p, seed))
 
 
 def backward_into(
@@ -252,4 +262,6 @@ def backward_into(
     g = _geometry(p, _layout_of(arrays))
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
-    run(family.backward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()})
+    seed = options.pop("dropout_seed", None)
+    run(family.backward_plan(p, g, DeviceLimits.current(), **options), g, {n: x.data.ptr for n, x in arrays.items()},
+        _seed_of(p, seed))

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .validation import AttentionProblem, array_kind, check_attention, check_backward
+from . import dropout as _dropout
+from .validation import AttentionProblem, array_kind, check_attention, check_backward, check_dropout
 
 NEG_INF = -np.inf
 
@@ -96,8 +97,25 @@ def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, 
     return S, raw
 
 
-def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any) -> dict[str, Any]:
-    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, dropout_p: Any = 0.0
+                    ) -> dict[str, Any]:  # fmt: skip
+    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+            "dropout_p": dropout_p}  # fmt: skip
+
+
+def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> int | None:
+    return check_dropout(dropout_p, dropout_seed, need_seed=True)[1]
+
+
+def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, cols: Any) -> Any:
+    """keep / (1 - p) on the rows x cols tile, (*batch, Hk, G, len(rows), len(cols)), broadcasting like S; None
+    without dropout. The mask is ``dropout.keep``'s (the kernels' rule)."""
+    if not p.variant.dropout > 0:
+        return None
+    rows, cols = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (rows, cols))
+    kept = _dropout.keep(seed, p.variant.dropout, np.arange(p.batch_size), np.arange(p.hq), rows, cols)
+    z = kept.reshape(*p.batch, p.hk, p.group, len(rows), len(cols)) / (1.0 - p.variant.dropout)
+    return xp.asarray(z)
 
 
 # ---------------------------------------------------------------------------- plain
@@ -106,13 +124,16 @@ def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: An
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
 
     scores = scale q k^T, then softcap, then ALiBi, then the causal/window mask; a sink logit per head
-    joins every row's denominator (and its lse)."""
+    joins every row's denominator (and its lse). With dropout, o = (P * keep / (1 - p)) v with
+    ``cupyflash.dropout_mask``'s keep mask; lse is the undropped one."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
@@ -127,7 +148,8 @@ def attention_forward(
     if sink is not None:
         l = l + xp.exp(sink - m_safe)
     P = E / xp.where(l > 0, l, 1.0)
-    O = P @ V
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    O = (P if Z is None else P * Z) @ V
     lse = xp.where(l > 0, m + xp.log(xp.where(l > 0, l, 1.0)), NEG_INF)
     return O.reshape(q.shape), lse.reshape(q.shape[:-1])
 
@@ -145,7 +167,7 @@ def _dsinks(xp: Any, L: Any, Delta: Any, sinks: Any, p: AttentionProblem) -> Any
 
 
 def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, alibi_slopes: Any,
-              sinks: Any) -> tuple[Any, ...]:  # fmt: skip
+              sinks: Any, seed: int | None = None) -> tuple[Any, ...]:  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -153,8 +175,11 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
     S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes)
     P = _probabilities(xp, S, L, xp.isfinite(S))
-    dV = P.swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    dV = (P if Z is None else P * Z).swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
     dP = dO @ _t(V)
+    if Z is not None:  # d(loss)/d(undropped P) = Z dP; Delta = rowsum(dO O) still equals rowsum(P Z dP)
+        dP = dP * Z
     Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) (+ the sink's share) when o is exact
     dS = P * (dP - Delta) * p.variant.dscore(xp, raw)
     dQ = p.scale * (dS @ K)
@@ -166,24 +191,28 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
 def attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, and dsinks (float64,
-    (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks).
+    (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks). Dropout keywords as
+    the forward's.
 
     Delta = rowsum(dO * O) uses the given o, as the kernels do. dk and dv have k's and v's
     shapes: under GQA each sums over its group's query heads.
     """
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
-    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks)
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, dropout_p))  # fmt: skip
+    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, _dropout_seed(dropout_p, dropout_seed))
 
 
 def attention_vjp(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **variant: Any
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
     """o (float64) and vjp(do) -> (dq, dk, dv[, dsinks]); do has q's shape and dtype (or float64)."""
+    seed = variant.pop("dropout_seed", None)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True, **variant)
-    o, lse = attention_forward(q, k, v, causal, p.scale, **variant)
+    seed = _dropout_seed(p.variant.dropout, seed)
+    o, lse = attention_forward(q, k, v, causal, p.scale, dropout_seed=seed, **variant)
 
     def vjp(do: Any) -> tuple[Any, ...]:
         array_kind("do", do)
@@ -191,7 +220,7 @@ def attention_vjp(
             raise ValueError(f"do must have q's shape {q.shape}; got {do.shape}")
         if np.dtype(do.dtype) not in (p.dtype, np.dtype(np.float64)):
             raise TypeError(f"do.dtype must equal q.dtype ({p.dtype}) or be float64; got {do.dtype}")
-        return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"))
+        return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"), seed)
 
     return o, vjp
 
@@ -214,16 +243,18 @@ def _tile_skipped(p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> bo
 def tiled_attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
     For each Q_i the keys stream past once; a running row max m and row sum l let O_i be
     rescaled instead of recomputed, and lse = m + log l is written once at the end. A sink starts
-    m at its logit and l at 1.
+    m at its logit and l at 1. Dropout drops from what multiplies V_j, not from l (lse stays undropped).
     """
     _check_blocks(block_q, block_k)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
@@ -249,7 +280,8 @@ def tiled_attention_forward(
             P_ij = xp.exp(S_ij - m_safe)
             alpha = xp.exp(m - m_safe)  # rescales what was summed under the old max
             l = alpha * l + P_ij.sum(axis=-1, keepdims=True)
-            acc = alpha * acc + P_ij @ V[..., j0:j1, :]
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            acc = alpha * acc + (P_ij if Z_ij is None else P_ij * Z_ij) @ V[..., j0:j1, :]
             m = m_new
         seen = l > 0
         O[..., i0:i1, :] = acc / xp.where(seen, l, 1.0)
@@ -261,12 +293,14 @@ def tiled_attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None,
     block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
     accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ."""
     _check_blocks(block_q, block_k)
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))  # fmt: skip
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -288,8 +322,11 @@ def tiled_attention_backward(
             Q_i, dO_i = Q[..., i0:i1, :], dO[..., i0:i1, :]
             S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes)
             P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], xp.isfinite(S_ij))
-            dV_j += (_t(P_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: the group shares V_j
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            dV_j += (_t(P_ij if Z_ij is None else P_ij * Z_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: V_j shared
             dP_ij = dO_i @ _t(V_j)
+            if Z_ij is not None:
+                dP_ij = dP_ij * Z_ij
             dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :]) * p.variant.dscore(xp, raw)
             dQ[..., i0:i1, :] += p.scale * (dS_ij @ K_j)
             dK_j += p.scale * (_t(dS_ij) @ Q_i).sum(axis=-3, keepdims=True)

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .dropout import threshold as dropout_threshold
+
 LOG2E = 1.4426950408889634
 
 
@@ -32,6 +34,8 @@ class Variant:
     softcap: s = softcap * tanh(s / softcap) on the scaled score (0: off).
     alibi: slopes are given: s -= slope[h] * |i + Nk - Nq - j|.
     sinks: one logit per query head joins every row's softmax denominator.
+    dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p
+        (``dropout.py``'s mask) and scaled by 1 / (1 - p); lse stays that of the undropped softmax.
     """
 
     causal: bool = False
@@ -39,15 +43,18 @@ class Variant:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    dropout: float = 0.0
 
     @classmethod
-    def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool) -> "Variant":
+    def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
+           dropout: float = 0.0) -> "Variant":  # fmt: skip
         """The normal form: a window that bounds nothing is no window; causal folds into the window."""
         left, right = (-1, -1) if window_size is None else window_size
         if causal:
             right = 0
         window = None if left < 0 and (right < 0 or (causal and right == 0)) else (left, right)
-        return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks)
+        return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks,
+                   dropout=float(dropout))  # fmt: skip
 
     # ------------------------------------------------------------------ the C++ side
 
@@ -62,6 +69,8 @@ class Variant:
     @property
     def cpp_policy(self) -> str:
         """The C++ ``Policy`` type the kernels of this call are instantiated with."""
+        if self.dropout > 0:
+            return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}, cupyflash::Dropout>"
         return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}>"
 
     def params(self, scale: float, nq: int, nk: int) -> dict[str, Any]:
@@ -73,6 +82,8 @@ class Variant:
             "window_right": right,
             "softcap_scale": scale / cap if cap > 0 else 0.0,
             "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
+            "dropout_threshold": dropout_threshold(self.dropout),
+            "dropout_scale": 1.0 / (1.0 - self.dropout),
         }
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:

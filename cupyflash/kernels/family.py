@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
 from . import build
-from .params import Params
+from .params import Params, write_dropout
 
 LOG2E = 1.4426950408889634
 
@@ -97,8 +97,9 @@ def call_plan(launches: Sequence[LaunchPlan], params: Params, scratch: Sequence[
     return CallPlan(tuple((lp, base) for lp in launches), tuple(scratch))
 
 
-def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
-    """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers."""
+def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int | None = None) -> None:
+    """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers (and, with
+    dropout, the seed and the sub-batch's first batch index: the mask is keyed by the global batch index)."""
     ptrs = dict(pointers)
     scratch, zeroed = [], []
     if plan.scratch:
@@ -117,7 +118,10 @@ def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
                 buf.fill(0)
         shifted = {name: ptr + offsets.get(name, 0) for name, ptr in ptrs.items()}
         for lp, base in plan.launches:
-            build.launch_params(lp, Params.with_pointers(base, **shifted))
+            buf = Params.with_pointers(base, **shifted)
+            if dropout_seed is not None:
+                write_dropout(buf, dropout_seed, i * g.batch)
+            build.launch_params(lp, buf)
 
 
 def entry_points(module_name: str) -> tuple[Callable[..., None], Callable[..., None]]:

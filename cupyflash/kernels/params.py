@@ -45,6 +45,10 @@ PARAMS = np.dtype(
         ("window_right", "<i4"),
         ("softcap_scale", "<f4"),
         ("softcap_log2", "<f4"),
+        ("dropout_seed", "<u8"),
+        ("dropout_threshold", "<u4"),
+        ("dropout_scale", "<f4"),
+        ("dropout_b0", "<i4"),
     ],
     align=True,
 )
@@ -81,6 +85,16 @@ class Params:
             values[_SLOT[name]] = ptr
         _POINTER_PACK.pack_into(buf, 0, *values)
         return buf
+
+
+_SEED_AT = PARAMS.fields["dropout_seed"][1]
+_B0_AT = PARAMS.fields["dropout_b0"][1]
+
+
+def write_dropout(buf: bytearray, seed: int, b0: int) -> None:
+    """A call's dropout seed and its launch's first batch index into params bytes (``with_pointers``'s)."""
+    struct.pack_into("<Q", buf, _SEED_AT, seed)
+    struct.pack_into("<i", buf, _B0_AT, b0)
 
 
 def field_offsets() -> dict[str, int]:
