@@ -7,6 +7,7 @@
 //   pol.dropout.at_head(p, b, h)   // the (batch, query head) whose mask follows
 //   pol.dropout.keep(i, j)         // is P_ij kept?
 //   pol.dropout.scale              // 1 / (1 - p), applied once by the caller
+//   pol.dropout.factor(i, j)       // keep ? 1 / (1 - p) : 0 (1 without dropout)
 //   Policy::Dropout::kOn           // false for NoDropout: kernels compile the dropout code out
 #pragma once
 #include "attention_params.cuh"
@@ -20,6 +21,7 @@ struct NoDropout {
   __device__ explicit NoDropout(const AttentionParams&) {}
   __device__ __forceinline__ void at_head(const AttentionParams&, int, int) {}
   __device__ __forceinline__ bool keep(int, int) const { return true; }
+  __device__ __forceinline__ float factor(int, int) const { return 1.f; }
 };
 
 struct Dropout {
@@ -45,6 +47,8 @@ struct Dropout {
     return u >= threshold;
   }
   __device__ __forceinline__ bool keep(int i, int j) const { return kept(draw(i, j), i, j); }
+  // Z_ij = keep / (1 - p): the factor on P_ij in O and dV, and on dP_ij in dS = P (Z dP - Delta).
+  __device__ __forceinline__ float factor(int i, int j) const { return keep(i, j) ? scale : 0.f; }
 };
 
 }  // namespace cupyflash

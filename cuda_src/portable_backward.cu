@@ -134,10 +134,19 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
         const T* dh = dout + b * p.dout_s.b + h * p.dout_s.h;
         const long long rowbase = ((long long)b * hq + h) * nq;
         pol.score.at_head(p, b, h);  // ALiBi slope of this query head
+        pol.dropout.at_head(p, b, h);
 #pragma unroll 1
         for (int it = qt.begin; it < qt.end; ++it) {
             const int r0 = it * BR;
             __syncthreads();  // previous tile's products are done with Qs, dOs, Pts, dSts
+            if constexpr (Policy::Dropout::kOn) {
+                // Z_ij into this thread's own P^T slots while few registers are live (see portable_fwd).
+#pragma unroll 1
+                for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                    for (int t = 0; t < TN; ++t)
+                        Pts[(g * TM + i) * LDS + lane + t * LANES] = pol.dropout.factor(r0 + lane + t * LANES, c0 + g * TM + i);
+            }
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
             load_tile<T, BR, DP, THREADS>(dOs, dh + r0 * sdn, sdn, nq - r0, d, v16);
             if (tid < BR) {
@@ -167,8 +176,10 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                     if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
                     else x = pol.score.template log2_score<false>(s[i][t], r0 + qc, key);
                     const float pij = zero_p ? 0.f : exp2f(x - L);
-                    Pts[(g * TM + i) * LDS + qc] = pij;
-                    float ds = pij * (dp[i][t] - deltas[qc]);
+                    float z = 1.f;
+                    if constexpr (Policy::Dropout::kOn) z = Pts[(g * TM + i) * LDS + qc];  // Z_ij, from above
+                    Pts[(g * TM + i) * LDS + qc] = pij * z;
+                    float ds = pij * (dp[i][t] * z - deltas[qc]);
                     if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + qc, key);
                     dSts[(g * TM + i) * LDS + qc] = ds;
                 }
@@ -246,6 +257,7 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     const bool v16 = p.vec != 0;
     Policy pol(p);
     pol.score.at_head(p, b, h);
+    pol.dropout.at_head(p, b, h);
     const long long rowbase = ((long long)b * p.hq + h) * nq;
 
     const T* qi = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + r0 * p.q_s.n;
@@ -269,6 +281,14 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();
+        if constexpr (Policy::Dropout::kOn) {
+            // Z_ij into this thread's own dS slots while few registers are live (see portable_fwd).
+#pragma unroll 1
+            for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                for (int t = 0; t < TN; ++t)
+                    dSs[(g * TM + i) * LDS + lane + t * LANES] = pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+        }
         load_tile<T, BC, DP, THREADS>(Ks, kb + c0 * skn, skn, nk - c0, d, v16);
         load_tile<T, BC, DP, THREADS>(Vs, vb + c0 * svn, svn, nk - c0, d, v16);
         __syncthreads();
@@ -293,7 +313,9 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
                 if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
                 else x = pol.score.template log2_score<false>(s[i][t], r0 + rl, c0 + kc);
                 const float pij = zero_p ? 0.f : exp2f(x - L);
-                float ds = pij * (dp[i][t] - dl);
+                float z = 1.f;
+                if constexpr (Policy::Dropout::kOn) z = dSs[rl * LDS + kc];  // Z_ij, from above
+                float ds = pij * (dp[i][t] * z - dl);
                 if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + rl, c0 + kc);
                 dSs[rl * LDS + kc] = ds;
             }

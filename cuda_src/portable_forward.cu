@@ -50,6 +50,7 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     const bool v16 = p.vec != 0;
     Policy pol(p);
     pol.score.at_head(p, b, h);
+    pol.dropout.at_head(p, b, h);
 
     const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
     const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
@@ -73,6 +74,15 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();  // previous P V done with KVs and Ps
+        if constexpr (Policy::Dropout::kOn) {
+            // Z_ij into this thread's own Ps slots before S is live: Philox's dozen registers inside the
+            // softmax loop spilled the larger tiles.
+#pragma unroll 1
+            for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                for (int t = 0; t < TN; ++t)
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] = pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+        }
         load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, nk - c0, d, v16);
         __syncthreads();
 
@@ -112,8 +122,11 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
 #pragma unroll
             for (int t = 0; t < TN; ++t) {
                 const float pij = exp2f(s[i][t] - m_use);
-                sum += pij;
-                Ps[(g * TM + i) * LDP + lane + t * LANES] = pij;
+                sum += pij;  // the row sum (and lse) are the undropped softmax's
+                if constexpr (Policy::Dropout::kOn)
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] *= pij;  // Z_ij is there already
+                else
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] = pij;
             }
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;

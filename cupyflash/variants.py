@@ -156,6 +156,9 @@ BUILTIN: tuple[Variant, ...] = (
     Variant(window=(8, 8), softcap=30.0),
 )
 PLAIN: tuple[Variant, ...] = BUILTIN[:2]
+#: Every built-in policy also comes with dropout (a third policy member); CI compiles these representatives of
+#: them only (tests/test_compile.py), to keep its compile time in budget.
+DROPOUT: tuple[Variant, ...] = (Variant(dropout=0.1), Variant(causal=True, softcap=30.0, dropout=0.1))
 
 
 def check_finite_nonneg(name: str, x: Any) -> float:

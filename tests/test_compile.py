@@ -81,7 +81,27 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
                 jobs.append((name, source, expr, arch))
+    for source, expr in dropout_representatives():
+        for arch in ARCHS["portable"]:
+            jobs.append(("portable", source, expr, arch))
     return jobs
+
+
+def dropout_representatives() -> list[tuple[str, str]]:
+    """A small representative set of the dropout policies' kernels (variants.DROPOUT; issue 16): the portable
+    family's forward, dK/dV and dQ kernels with plain dropout at padded D = 64 and 128 (float32) and 64 (bfloat16),
+    and float32 D = 128 with causal + softcap + dropout (compiling every dropout policy would double CI's time)."""
+    from cupyflash.plans import portable as pp
+    from cupyflash.variants import DROPOUT
+
+    plain, mixed = (v.cpp_policy for v in DROPOUT)
+    out = []
+    for source, expr in pp.instantiations(DROPOUT):
+        if plain in expr and any(f"<{ct}," in expr for ct in ("float, 64", "float, 128", "__nv_bfloat16, 64")):
+            out.append((source, expr))
+        elif mixed in expr and "<float, 128," in expr:
+            out.append((source, expr))
+    return out
 
 
 def _programs(jobs: list[tuple[str, str, str, str]]) -> list[list[tuple[str, str, str, str]]]:

@@ -220,12 +220,12 @@ def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "ato
     return PortableBackwardPlan(s, dp, dq_strategy, delta, kv, dq)
 
 
-def instantiations() -> list[tuple[str, str]]:
-    """Every (source, name expression) the portable family can launch."""
+def instantiations(variants: tuple[Variant, ...] = BUILTIN) -> list[tuple[str, str]]:
+    """Every (source, name expression) the portable family can launch with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for dtype in _dtypes.SUPPORTED:
         ct = ctype(dtype)
-        for pol in (v.cpp_policy for v in BUILTIN):
+        for pol in (v.cpp_policy for v in variants):
             for dp in D_PADS:
                 out += [(FORWARD_SOURCE, fwd_name(ct, dp, t, pol)) for t in FORWARD_TILES[dp]]
                 out += [(BACKWARD_SOURCE, kv_name(ct, dp, t, pol)) for t in KV_TILES[dp]]
