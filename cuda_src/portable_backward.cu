@@ -145,7 +145,8 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                 for (int i = 0; i < TM; ++i)
 #pragma unroll 1
                     for (int t = 0; t < TN; ++t)
-                        Pts[(g * TM + i) * LDS + lane + t * LANES] = pol.dropout.factor(r0 + lane + t * LANES, c0 + g * TM + i);
+                        Pts[(g * TM + i) * LDS + lane + t * LANES] =
+                            pol.dropout.factor(r0 + lane + t * LANES, c0 + g * TM + i);
             }
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
             load_tile<T, BR, DP, THREADS>(dOs, dh + r0 * sdn, sdn, nq - r0, d, v16);
@@ -287,7 +288,8 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
             for (int i = 0; i < TM; ++i)
 #pragma unroll 1
                 for (int t = 0; t < TN; ++t)
-                    dSs[(g * TM + i) * LDS + lane + t * LANES] = pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+                    dSs[(g * TM + i) * LDS + lane + t * LANES] =
+                        pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
         }
         load_tile<T, BC, DP, THREADS>(Ks, kb + c0 * skn, skn, nk - c0, d, v16);
         load_tile<T, BC, DP, THREADS>(Vs, vb + c0 * svn, svn, nk - c0, d, v16);

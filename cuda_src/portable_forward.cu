@@ -81,7 +81,8 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
             for (int i = 0; i < TM; ++i)
 #pragma unroll 1
                 for (int t = 0; t < TN; ++t)
-                    Ps[(g * TM + i) * LDP + lane + t * LANES] = pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] =
+                        pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
         }
         load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, nk - c0, d, v16);
         __syncthreads();

@@ -163,7 +163,7 @@ def test_vjp_draws_a_seed_and_keeps_it(rng):
         assert np.array_equal(g.get(), w.get())
 
 
-@pytest.mark.parametrize("kernel", ["mma", pytest.param("wgmma", marks=pytest.mark.skipif(not HOPPER, reason="sm_90a"))])
+@pytest.mark.parametrize("kernel", ["mma", pytest.param("wgmma", marks=pytest.mark.skipif(not HOPPER, reason="sm_90"))])
 def test_tensor_core_families_refuse_dropout_for_now(kernel, rng):
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (1,), 2, 2, 64, 64, 64, np.float16))
     with pytest.raises(TypeError, match="does not implement dropout yet"):
