@@ -81,26 +81,34 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
                 jobs.append((name, source, expr, arch))
-    for source, expr in dropout_representatives():
-        for arch in ARCHS["portable"]:
-            jobs.append(("portable", source, expr, arch))
+    for name, source, expr in dropout_representatives():
+        for arch in DROPOUT_ARCHS:
+            jobs.append((name, source, expr, arch))
     return jobs
 
 
-def dropout_representatives() -> list[tuple[str, str]]:
-    """A small representative set of the dropout policies' kernels (variants.DROPOUT; issue 16): the portable
-    family's forward, dK/dV and dQ kernels with plain dropout at padded D = 64 and 128 (float32) and 64 (bfloat16),
-    and float32 D = 128 with causal + softcap + dropout (compiling every dropout policy would double CI's time)."""
+#: The dropout representatives build for the two architectures the families' register budgets differ most on.
+DROPOUT_ARCHS = ("sm_80", "sm_90a")
+
+
+def dropout_representatives() -> list[tuple[str, str, str]]:
+    """(family, source, name) of a small representative set of the dropout policies' kernels (variants.DROPOUT;
+    issue 16): compiling every policy again with dropout would double CI's time. Plain dropout: portable
+    float32 D = 64 and bfloat16 D = 128, mma bfloat16 D = 64 (key-major backward); causal + softcap + dropout:
+    portable float32 D = 128, mma float16 D = 128 (the 2-D backward): forward and every backward kernel."""
+    from cupyflash.plans import mma as pm
     from cupyflash.plans import portable as pp
     from cupyflash.variants import DROPOUT
 
     plain, mixed = (v.cpp_policy for v in DROPOUT)
     out = []
     for source, expr in pp.instantiations(DROPOUT):
-        if plain in expr and any(f"<{ct}," in expr for ct in ("float, 64", "float, 128", "__nv_bfloat16, 64")):
-            out.append((source, expr))
-        elif mixed in expr and "<float, 128," in expr:
-            out.append((source, expr))
+        if (plain in expr and ("<float, 64," in expr or "<__nv_bfloat16, 128," in expr)) or (
+                mixed in expr and "<float, 128," in expr):  # fmt: skip
+            out.append(("portable", source, expr))
+    for ct, d, pol in (("__nv_bfloat16", 64, plain), ("__half", 128, mixed)):
+        out.append(("mma", pm.FORWARD_SOURCE, pm.FORWARD_CONFIGS[d].name(ct, pol)))
+        out.append(("mma", pm.BACKWARD_SOURCE, pm.BACKWARD_CONFIGS[d].name(ct, pol)))
     return out
 
 

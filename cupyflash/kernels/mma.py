@@ -23,8 +23,6 @@ _ROW_ALIGN = 8  # elements per 16 bytes
 def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
     if not _dtypes.is_half(p.dtype):
         return f"needs float16 or bfloat16 (got {p.dtype})"
-    if p.variant.dropout > 0:
-        return "does not implement dropout yet (the portable family does)"
     if limits.compute_capability < MIN_COMPUTE_CAPABILITY:
         return f"needs sm_80 or newer (this device is sm_{limits.compute_capability})"
     if p.d % _ROW_ALIGN:
