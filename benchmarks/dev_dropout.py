@@ -8,8 +8,7 @@
    at small N (fewer steps to hide the stagger); the portable family's separate dQ pass was measured at
    0.8x of its atomics (kernels/portable.py).
 2. Dropout 0.1, forward + backward, ours against ours without dropout and against PyTorch SDPA's FLASH
-   backend with the same dropout (when torch is installed). Ours: auto dispatch, i.e. the mma family for
-   bf16 (wgmma has no dropout yet), against our auto dispatch without dropout (wgmma on Hopper).
+   backend with the same dropout (when torch is installed). Ours: auto dispatch (wgmma on Hopper).
 
 CUDA events around each call, median of RUNS after WARMUP calls. Usage: python benchmarks/dev_dropout.py
 """

@@ -57,6 +57,11 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
         192,
     ("wgmma_flash_bwd<__nv_bfloat16, 64, 128, 2, 2, cupyflash::Policy<cupyflash::Window, cupyflash::ModScore>", "*"):
         192,
+    # The same kernels with dropout (issue 16): causal + softcap + dropout measured 108/180 B (bf16) with NVRTC
+    # 13.5, below the allowance of the kernel without dropout.
+    **{(f"wgmma_flash_bwd<{ct}, 64, 128, 2, 2, cupyflash::Policy<cupyflash::{mask}, cupyflash::ModScore, "
+        "cupyflash::Dropout>", "*"): 192
+       for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
 }
 
 #: Instantiations per NVRTC program: large enough to share the front end, small enough to spread over cores.

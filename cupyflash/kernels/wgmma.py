@@ -21,8 +21,6 @@ NEEDS_ALIGNED_ROWS = True
 def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
     if not _dtypes.is_half(p.dtype):
         return f"needs float16 or bfloat16 (got {p.dtype})"
-    if p.variant.dropout > 0:
-        return "does not implement dropout yet (the mma and portable families do)"
     if limits.compute_capability != plans.COMPUTE_CAPABILITY:
         return f"needs compute capability 9.0 (sm_90a; this device is sm_{limits.compute_capability})"
     if not plans.MIN_D < p.d <= plans.MAX_D or p.d % 8:
