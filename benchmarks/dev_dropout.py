@@ -5,8 +5,8 @@
    >= 0.85x. Prediction (ordered turns, cuda_src/dq_turns.cuh): the same float additions as the atomics plus
    two block barriers per (key tile, query tile) step and a one-off stagger of ~(key tiles per head) dQ
    sections while the turns fill the pipeline: 0.88-0.95x for the tensor-core families at N >= 4k, lower
-   at small N (fewer steps to hide the stagger); the portable family's separate dQ pass was measured at
-   0.8x of its atomics (kernels/portable.py).
+   at small N (fewer steps to hide the stagger); the same for the portable family's ordered atomics, whose
+   alternative, the separate dQ pass, was measured at 0.8x of the atomics (kernels/portable.py; shown too).
 2. Dropout 0.1, forward + backward, ours against ours without dropout and against PyTorch SDPA's FLASH
    backend with the same dropout (when torch is installed). Ours: auto dispatch (wgmma on Hopper).
 
@@ -69,6 +69,14 @@ def deterministic_table() -> None:
                 flops = 10 * b * h * n * n * d * (0.5 if causal else 1.0)  # 2.5x the forward's 4 B H N^2 D
                 row.append(f"{kernel}: {flops / ms[False] / 1e9:6.1f} -> {flops / ms[True] / 1e9:6.1f} TFLOP/s "
                            f"({ms[False] / ms[True]:.2f}x)")  # fmt: skip
+                if kernel == "portable":
+                    from cupyflash.kernels import portable
+                    from cupyflash.validation import check_backward
+
+                    p = check_backward(do, q, k, v, o, lse, causal=causal)
+                    dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+                    t = median_ms(lambda: portable.backward(do, q, k, v, o, lse, dq, dk, dv, p, dq_strategy="separate"))
+                    row.append(f"(portable separate dQ pass: {ms[False] / t:.2f}x)")
             print("  ".join(row), flush=True)
 
 

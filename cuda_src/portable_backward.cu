@@ -19,6 +19,7 @@
 // score (softcap, ALiBi) and multiplies dS by d(score)/d(scale q.k), both to float accuracy
 // (kFast = false). A sink needs nothing here: it lives in lse, and its gradient in the Delta kernel.
 #include "portable_tile.cuh"
+#include "dq_turns.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::portable;
@@ -194,6 +195,9 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                 float dq[TMQ][DTQ];
                 zero(dq);
                 mma_atb<TMQ, DTQ, LANESQ, BC, LDS, LDD>(dq, dSts + gq * TMQ, Ks + laneq * VECQ);
+                int* const turn_slot = dq_turn_slot<BR>(p, b, h, r0);  // deterministic: after the earlier key tiles
+                const int turn = dq_turn_of<BR, BC>(pol.mask, r0, c0);
+                dq_turn_wait(turn_slot, turn);
 #pragma unroll
                 for (int i = 0; i < TMQ; ++i) {
                     const int row = r0 + gq * TMQ + i;
@@ -206,6 +210,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                         }
                     }
                 }
+                dq_turn_pass(turn_slot, turn);
             }
         }
     }

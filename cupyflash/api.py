@@ -145,9 +145,8 @@ def attention_backward(
     ``attention_forward`` (any family's backward runs on any family's forward output).
 
     ``deterministic=True`` makes the CUDA backward bitwise reproducible from run to run (any stream, GQA and
-    causal included): the tensor-core families add each key tile's dQ share in key-tile order (ordered
-    turns), the portable family computes dQ in its own pass, and dsinks is summed without atomics. The
-    NumPy backend is always deterministic.
+    causal included): every family adds each key tile's dQ share in key-tile order (ordered turns), and
+    dsinks is summed without atomics. The NumPy backend is always deterministic.
     """
     _check_kernel(kernel)
     check_flag("deterministic", deterministic)

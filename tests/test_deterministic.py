@@ -25,7 +25,8 @@ MASKS = [
     Variant.of(False, (0, 0), 0.0, False, False),
 ]
 SHAPES = [(1, 1), (64, 64), (100, 37), (37, 300), (129, 255), (256, 128), (300, 17)]
-TILES = [(64, 128), (128, 128), (128, 64), (64, 64), (64, 16)]  # (Br, Bc) of the mma and wgmma backwards
+# (Br, Bc) of the mma and wgmma backwards, then of the portable dK/dV kernel
+TILES = [(64, 128), (128, 128), (128, 64), (64, 64), (64, 16), (32, 64), (16, 32), (8, 16), (64, 32)]
 
 
 def _tiles_covering(r, tile):

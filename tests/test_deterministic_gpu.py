@@ -4,8 +4,8 @@ Each case runs one family's backward 50 times on the same inputs (outputs NaN-po
 and requires every repeat to equal the first bit for bit; the first is also checked against the float64
 reference (the bounds of tests/conftest.py), so a fixed but wrong order would not pass. Shapes cover GQA/MQA,
 causal, Nq != Nk, D = 64/128/256 (the mma family's key-major and 2-D kernels and its small-smem fallback), a
-window, and sinks (dsinks through the API). The tensor-core families add dQ in key-tile order through
-ordered turns (cuda_src/dq_turns.cuh); the portable family takes its separate dQ pass.
+window, and sinks (dsinks through the API). Every family adds dQ in key-tile order through ordered turns
+(cuda_src/dq_turns.cuh); the portable family's separate dQ pass (no atomics at all) is checked too.
 """
 from __future__ import annotations
 
@@ -96,6 +96,14 @@ def test_backward_is_bitwise_reproducible(kernel, dtype, shape, causal, window, 
     do = rng.standard_normal(q.shape).astype(DTYPES[dtype])
     o, lse, grads = _repeat_backward(kernel, q, k, v, do, causal, window)
     _check_accuracy(dtype, q, k, v, do, o, lse, grads, causal, window)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_portable_separate_dq_pass_is_reproducible(dtype, rng):
+    q, k, v = random_qkv(rng, (1,), 4, 2, 300, 520, 64, DTYPES[dtype])
+    do = rng.standard_normal(q.shape).astype(DTYPES[dtype])
+    o, lse, grads = _repeat_backward("portable", q, k, v, do, True, None, dq_strategy="separate")
+    _check_accuracy(dtype, q, k, v, do, o, lse, grads, True, None)
 
 
 def test_mma_fallback_tiles_are_reproducible(rng):
