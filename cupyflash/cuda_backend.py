@@ -176,7 +176,12 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
 
 
 def _seed_of(p: AttentionProblem, seed: int | None) -> int | None:
-    return seed if p.variant.dropout > 0 else None
+    """The seed to write into the params: only with dropout, where one is required."""
+    if not p.variant.dropout > 0:
+        return None
+    if seed is None:
+        raise ValueError("dropout_seed is required when dropout_p > 0")
+    return seed
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
