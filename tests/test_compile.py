@@ -100,8 +100,8 @@ def dropout_representatives() -> list[tuple[str, str, str]]:
     """(family, source, name) of a small representative set of the dropout policies' kernels (variants.DROPOUT;
     issue 16): compiling every policy again with dropout would double CI's time. Plain dropout: portable
     float32 D = 64, mma bfloat16 D = 64 (key-major backward); causal + softcap + dropout: portable float32
-    D = 128, mma float16 D = 128 (the 2-D backward): forward and every backward kernel, 34 jobs (~200 s of
-    NVRTC on one core)."""
+    D = 128, mma float16 D = 128 (the 2-D backward): forward and every backward kernel: 34 jobs, about
+    4 CPU-minutes of NVRTC (measured: 48 such jobs took 196 s on 2 busy cores), most of it the 8 mma ones."""
     from cupyflash.plans import mma as pm
     from cupyflash.plans import portable as pp
     from cupyflash.variants import DROPOUT
