@@ -54,6 +54,9 @@ struct AttentionParams {
   const unsigned char* mask;
   const void* bias;
   float* dbias;
+  // Deterministic backward (dq_turns.cuh): one int counter per (batch, query head, query tile), zeroed;
+  // nullptr: dQ adds in whatever order the blocks run.
+  int* dq_turns;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 
@@ -78,6 +81,11 @@ struct AttentionParams {
   int total_q, total_k;
   // Masks and biases (issue 17): element strides of the (b, h, q, k) axes of mask, bias and dbias.
   Strides4 mask_s, bias_s, dbias_s;
+  // Dropout (dropout.cuh): the seed and first batch index are written per call / per sub-batch launch.
+  unsigned long long dropout_seed;
+  unsigned int dropout_threshold;  // P_ij is kept iff its Philox draw >= this (floor(p * 2^32))
+  float dropout_scale;             // 1 / (1 - p)
+  int dropout_b0;                  // batch index of this launch's first batch (leading dims flattened)
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

@@ -25,6 +25,7 @@
 #pragma once
 #include "attention_params.cuh"
 #include "common.cuh"
+#include "dropout.cuh"
 
 namespace cupyflash {
 
@@ -210,16 +211,20 @@ __device__ __forceinline__ float sink_log2(const AttentionParams& p, int h) {
   return p.sinks != nullptr ? p.sinks[h] * kLog2e : -__int_as_float(0x7f800000);
 }
 
-// A variant = a mask and a score rule. Kernels are templates of one Policy type. Masks and scores are
-// built for one problem's nq x nk: the call's (dense), or one packed sequence's (varlen, seq_geometry).
-template <class MaskT, class ScoreT = PlainScore>
+// A variant = a mask, a score rule and (issue 16) dropout. Kernels are templates of one Policy type. Masks
+// and scores are built for one problem's nq x nk: the call's (dense), or one packed sequence's (varlen,
+// seq_geometry).
+template <class MaskT, class ScoreT = PlainScore, class DropoutT = NoDropout>
 struct Policy {
   using Mask = MaskT;
   using Score = ScoreT;
+  using Dropout = DropoutT;
   Mask mask;
   Score score;
-  __device__ explicit Policy(const AttentionParams& p) : mask(p, p.nq, p.nk), score(p, p.nq, p.nk) {}
-  __device__ Policy(const AttentionParams& p, const SeqGeometry& s) : mask(p, s.nq, s.nk), score(p, s.nq, s.nk) {}
+  DropoutT dropout;
+  __device__ explicit Policy(const AttentionParams& p) : mask(p, p.nq, p.nk), score(p, p.nq, p.nk), dropout(p) {}
+  __device__ Policy(const AttentionParams& p, const SeqGeometry& s)
+      : mask(p, s.nq, s.nk), score(p, s.nq, s.nk), dropout(p) {}
 };
 
 }  // namespace cupyflash

@@ -5,6 +5,7 @@
 #define CUPYFLASH_MMA_BWD_2D_CUH
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
+#include "dq_turns.cuh"
 
 // The same backward with FlashAttention-2's 2-D warp layout, for large head dims: S^T and dP^T are
 // tiled over kSKeyWarps x (kWarps / kSKeyWarps) warps (keys x queries), so each K_j/V_j and Q_i/dO_i
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
       float c = scale_log2;
       pol.score.at_head(p, b, hh);
+      pol.dropout.at_head(p, b, hh);
 #pragma unroll
       for (int m = 0; m < kMS; ++m) c = score_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.score, scale_log2);
       if (pol.mask.partial(query0, query0 + kSQ, key0, key0 + kSK)) {
@@ -194,6 +196,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           pt[m][n][3] = fast_exp2(fmaf(pt[m][n][3], c, -l2.y));
         }
       }
+      // Dropout: P^T negated where dropped (sP takes the kept ones, dS splits P and Z; dV scaled at the end).
+      if constexpr (Policy::Dropout::kOn) {
+#pragma unroll
+        for (int m = 0; m < kMS; ++m) dropout_strip<kNS, true, true>(pt[m], key0 + 16 * m, query0, pol.dropout);
+      }
       // Fragment (m, n) of this lane -> rows key r, r + 8 and queries (chunk, e) of the P^T/dS^T tiles.
       const int r = sw * kSK + (ln >> 2);
       const int e = (ln & 3) * 2;
@@ -205,8 +212,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int n = 0; n < kNS; ++n) {
           pp[m][n][0] = pack2<T>(pt[m][n][0], pt[m][n][1]);
           pp[m][n][1] = pack2<T>(pt[m][n][2], pt[m][n][3]);
-          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m, chunk0 + n) + e) = pp[m][n][0];
-          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = pp[m][n][1];
+          uint32_t lo = pp[m][n][0], hi = pp[m][n][1];
+          if constexpr (Policy::Dropout::kOn) {
+            lo = pack2<T>(fmaxf(pt[m][n][0], 0.f), fmaxf(pt[m][n][1], 0.f));
+            hi = pack2<T>(fmaxf(pt[m][n][2], 0.f), fmaxf(pt[m][n][3], 0.f));
+          }
+          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m, chunk0 + n) + e) = lo;
+          *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = hi;
         }
       }
 
@@ -239,6 +251,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           float2 lq = {0.f, 0.f};
           if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
           float ds[4];
+          if constexpr (Policy::Dropout::kOn) dropout_split(p4, dpt[m][n], pol.dropout.scale);
           ds_tile(ds, p4, dpt[m][n], dl, lq, pol.score, key0 + 16 * m, query0 + n * 8);
           const uint32_t lo = pack2<T>(ds[0], ds[1]);
           const uint32_t hi = pack2<T>(ds[2], ds[3]);
@@ -289,6 +302,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int m = 0; m < kMQ; ++m) ldmatrix_x4_trans(a[m], ds_a.at(sdS_u, m, ks * 16));
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
+      int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+      const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+      dq_turn_wait(turn_slot, turn);
       float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {
@@ -305,12 +321,23 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           }
         }
       }
+      dq_turn_pass(turn_slot, turn);
     }
   }
   cp_async_wait<0>();
 
   // dV_j and scale * dK_j (this warp's kVK keys and kVD columns).
   const int vw = warp % kVKeyWarps, cw = warp / kVKeyWarps;
+  if constexpr (Policy::Dropout::kOn) {  // dV took P * keep: times 1 / (1 - p)
+#pragma unroll
+    for (int m = 0; m < kMV; ++m) {
+#pragma unroll
+      for (int n = 0; n < kNV; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[m][n][e] *= pol.dropout.scale;
+      }
+    }
+  }
 #pragma unroll
   for (int m = 0; m < kMV; ++m) store_dk_dv<T>(p, b, hkv, j0 + vw * kVK + m * 16, cw * kVD, acc_dk[m], acc_dv[m]);
 }

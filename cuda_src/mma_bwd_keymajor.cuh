@@ -5,6 +5,7 @@
 #define CUPYFLASH_MMA_BWD_KEYMAJOR_CUH
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
+#include "dq_turns.cuh"
 
 template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
@@ -163,15 +164,19 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
     }
     pol.score.at_head(p, b, hh);
+    pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(pt, c, lse_b);
+    // Dropout: P^T negated where dropped (dV takes the kept ones, dS splits P and Z; scale at the end).
+    if constexpr (Policy::Dropout::kOn) dropout_strip<kNQ, true, true>(pt, key_w, i0, pol.dropout);
 
     // dV_j += P^T dO_i (this warp's d-slice).
 #pragma unroll
     for (int kq = 0; kq < Br / 16; ++kq) {
       uint32_t a[4];
-      pack_a_step<T>(a, pt, kq);
+      if constexpr (Policy::Dropout::kOn) pack_a_step_kept<T>(a, pt, kq);
+      else pack_a_step<T>(a, pt, kq);
       mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
     }
 
@@ -197,6 +202,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         const float2 dl = *reinterpret_cast<const float2*>(delta_b + (ch * kNC + n) * 8);
         float2 lq = {0.f, 0.f};
         if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + (ch * kNC + n) * 8);
+        if constexpr (Policy::Dropout::kOn) dropout_split(pt[ch * kNC + n], dpt[n], pol.dropout.scale);
         ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8);
       }
 
@@ -221,6 +227,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 
     // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator. (Its lane
     // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
+    int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    dq_turn_wait(turn_slot, turn);
     const int tid_dq = opaque(static_cast<int>(threadIdx.x));
     const int lane_dq = tid_dq % 32;
     const int qs = (tid_dq / 32) % kQRowWarps;  // strip group
@@ -255,10 +264,18 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         }
       }
     }
+    dq_turn_pass(turn_slot, turn);
   }
   cp_async_wait<0>();
 
-  // dV_j and scale * dK_j (this warp's keys and d-slice).
+  // dV_j and scale * dK_j (this warp's keys and d-slice); with dropout dV took P * keep: times 1 / (1 - p).
+  if constexpr (Policy::Dropout::kOn) {
+#pragma unroll
+    for (int n = 0; n < kDS / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dv[n][e] *= pol.dropout.scale;
+    }
+  }
   store_dk_dv<T>(p, b, hkv, key_w, dw * kDS, acc_dk, acc_dv);
 }
 

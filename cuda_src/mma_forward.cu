@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const int lane = threadIdx.x % 32;
   Policy pol(p);
   pol.score.at_head(p, b, h);
+  pol.dropout.at_head(p, b, h);
   const float sink = sink_log2(p, h);
 
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + q0 * p.q_s.n;
@@ -129,6 +130,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s[mi], row0, j0, pol.mask);
       float alpha[2];
       online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
+      // Dropout after the row sums (lse stays undropped): P V takes P * keep / (1 - p).
+      if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s[mi], row0, j0, pol.dropout);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         acc[mi][n][0] *= alpha[0];

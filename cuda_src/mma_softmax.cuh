@@ -27,6 +27,57 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0
   }
 }
 
+// Dropout on a strip of probabilities (issue 16), layout as in mask_strip. A lane's pair (col, col + 1),
+// col even, lies in one 2 x 2 Philox block with its row (dropout.cuh), so one draw serves the pair.
+// kSigned = false: P *= Z = keep / (1 - p) (the forward). kSigned = true: P stays, negated where dropped, so
+// that the backward can take P * keep (max(P, 0)) for dV and both P and Z for dS from one set of registers.
+// The keep bits are drawn first, one Philox at a time in a rolled loop (bit 4n + e for s[n][e]): unrolled,
+// the draws' registers spilled the tiles that sit at 255 registers.
+template <int NT, bool kKeyRows, bool kSigned, class Dropout>
+__device__ __forceinline__ void dropout_strip(float (&s)[NT][4], int row0, int col0, const Dropout& drop) {
+  static_assert(NT <= 16, "keep bits in one 64-bit word");
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  unsigned long long bits = 0;
+#pragma unroll 1
+  for (int x = 0; x < 2 * NT; ++x) {  // x = 2n + hf
+    const int row = row0 + (lane >> 2) + (x & 1) * 8;
+    const int col = col0 + (x >> 1) * 8 + (lane & 3) * 2;
+    const int i = kKeyRows ? col : row, j = kKeyRows ? row : col;
+    const Philox4 r = drop.draw(i, j);
+    const bool k0 = drop.kept(r, i, j);
+    const bool k1 = kKeyRows ? drop.kept(r, i + 1, j) : drop.kept(r, i, j + 1);
+    bits |= static_cast<unsigned long long>(k0 | (k1 << 1)) << (2 * x);  // e = 2 hf + {0, 1}
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool kept = (bits >> (4 * n + e)) & 1;
+      if constexpr (kSigned) s[n][e] = kept ? s[n][e] : -s[n][e];
+      else s[n][e] *= kept ? drop.scale : 0.f;
+    }
+  }
+}
+
+// From a signed P^T tile (dropout_strip<..., true>) to the inputs of ds_tile: P = |P|, and dP^T * Z with
+// Z = 1 / (1 - p) where kept, 0 where dropped, so that dS = P (Z dP - Delta).
+__device__ __forceinline__ void dropout_split(float (&pt)[4], float (&dpt)[4], float scale) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    dpt[e] = pt[e] > 0.f ? dpt[e] * scale : 0.f;  // P = 0 gives dS = 0 whatever Z
+    pt[e] = fabsf(pt[e]);
+  }
+}
+
+// pack_a_step of the kept probabilities of a signed P^T (the dropped ones are negative): dV's A operand.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
+  a[0] = pack2<T>(fmaxf(c[2 * kk][0], 0.f), fmaxf(c[2 * kk][1], 0.f));
+  a[1] = pack2<T>(fmaxf(c[2 * kk][2], 0.f), fmaxf(c[2 * kk][3], 0.f));
+  a[2] = pack2<T>(fmaxf(c[2 * kk + 1][0], 0.f), fmaxf(c[2 * kk + 1][1], 0.f));
+  a[3] = pack2<T>(fmaxf(c[2 * kk + 1][2], 0.f), fmaxf(c[2 * kk + 1][3], 0.f));
+}
+
 // The backward's P^T = exp2(S^T * c - lse * log2 e) on a key-major strip: column n8 tile n, pair
 // 2t, 2t+1 of this lane takes lse_cols[8n], [8n + 1] (the lane's query pair; lse in natural log).
 // A query that saw no key (lse = -inf) gets P = 0 even where its scores are -inf.

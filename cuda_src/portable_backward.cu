@@ -19,6 +19,7 @@
 // score (softcap, ALiBi) and multiplies dS by d(score)/d(scale q.k), both to float accuracy
 // (kFast = false). A sink needs nothing here: it lives in lse, and its gradient in the Delta kernel.
 #include "portable_tile.cuh"
+#include "dq_turns.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::portable;
@@ -142,6 +143,17 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
             const int r0 = it * BR;
             const int nq = seq_geometry(p, b).nq;
             __syncthreads();  // previous tile's products are done with Qs, dOs, Pts, dSts
+            if constexpr (Policy::Dropout::kOn) {
+                // Z_ij into this thread's own P^T slots while few registers are live (see portable_fwd).
+                Policy dpol(p, seq_geometry(p, b));
+                dpol.dropout.at_head(p, b, h);
+#pragma unroll 1
+                for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                    for (int t = 0; t < TN; ++t)
+                        Pts[(g * TM + i) * LDS + lane + t * LANES] =
+                            dpol.dropout.factor(r0 + lane + t * LANES, c0 + g * TM + i);
+            }
             load_tile<T, BR, DP, THREADS>(Qs, qh + r0 * sqn, sqn, nq - r0, d, v16);
             load_tile<T, BR, DP, THREADS>(dOs, dh + r0 * sdn, sdn, nq - r0, d, v16);
             if (tid < BR) {
@@ -174,8 +186,10 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                     if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
                     else x = pol.score.template log2_score<false>(s[i][t], r0 + qc, key);
                     const float pij = zero_p ? 0.f : exp2f(x - L);
-                    Pts[(g * TM + i) * LDS + qc] = pij;
-                    float ds = pij * (dp[i][t] - deltas[qc]);
+                    float z = 1.f;
+                    if constexpr (Policy::Dropout::kOn) z = Pts[(g * TM + i) * LDS + qc];  // Z_ij, from above
+                    Pts[(g * TM + i) * LDS + qc] = pij * z;
+                    float ds = pij * (dp[i][t] * z - deltas[qc]);
                     if constexpr (HasBiasGrad<typename Policy::Score>::value) pol.score.add_dbias(ds, r0 + qc, key);
                     if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + qc, key);
                     dSts[(g * TM + i) * LDS + qc] = ds;
@@ -190,6 +204,9 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                 float dq[TMQ][DTQ];
                 zero(dq);
                 mma_atb<TMQ, DTQ, LANESQ, BC, LDS, LDD>(dq, dSts + gq * TMQ, Ks + laneq * VECQ);
+                int* const turn_slot = dq_turn_slot<BR>(p, b, h, r0);  // deterministic: after the earlier key tiles
+                const int turn = dq_turn_of<BR, BC>(pol.mask, r0, c0);
+                dq_turn_wait(turn_slot, turn);
 #pragma unroll
                 for (int i = 0; i < TMQ; ++i) {
                     const int row = r0 + gq * TMQ + i;
@@ -202,6 +219,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
                         }
                     }
                 }
+                dq_turn_pass(turn_slot, turn);
             }
         }
     }
@@ -259,6 +277,7 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     const bool v16 = p.vec != 0;
     Policy pol(p, seq);
     pol.score.at_head(p, b, h);
+    pol.dropout.at_head(p, b, h);
     const long long rowbase = scratch_row(p, seq, b, h);
     const long long qrow = (long long)seq.q_row0 + r0;
 
@@ -283,6 +302,15 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();
+        if constexpr (Policy::Dropout::kOn) {
+            // Z_ij into this thread's own dS slots while few registers are live (see portable_fwd).
+#pragma unroll 1
+            for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                for (int t = 0; t < TN; ++t)
+                    dSs[(g * TM + i) * LDS + lane + t * LANES] =
+                        pol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+        }
         load_tile<T, BC, DP, THREADS>(Ks, kb + c0 * skn, skn, nk - c0, d, v16);
         load_tile<T, BC, DP, THREADS>(Vs, vb + c0 * svn, svn, nk - c0, d, v16);
         __syncthreads();
@@ -307,7 +335,9 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
                 if constexpr (Policy::Score::kIdentity) x = s[i][t] * scale_log2;
                 else x = pol.score.template log2_score<false>(s[i][t], r0 + rl, c0 + kc);
                 const float pij = zero_p ? 0.f : exp2f(x - L);
-                float ds = pij * (dp[i][t] - dl);
+                float z = 1.f;
+                if constexpr (Policy::Dropout::kOn) z = dSs[rl * LDS + kc];  // Z_ij, from above
+                float ds = pij * (dp[i][t] * z - dl);
                 if constexpr (!Policy::Score::kIdentity) ds *= pol.score.template ds_factor<false>(pij, L, r0 + rl, c0 + kc);
                 dSs[rl * LDS + kc] = ds;
             }

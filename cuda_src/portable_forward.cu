@@ -74,6 +74,18 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();  // previous P V done with KVs and Ps
+        if constexpr (Policy::Dropout::kOn) {
+            // Z_ij into this thread's own Ps slots before S is live: Philox's dozen registers inside the
+            // softmax loop spilled the larger tiles.
+            Policy dpol(p, seq_geometry(p, b));
+            dpol.dropout.at_head(p, b, h);
+#pragma unroll 1
+            for (int i = 0; i < TM; ++i)
+#pragma unroll 1
+                for (int t = 0; t < TN; ++t)
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] =
+                        dpol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
+        }
         load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, seq_geometry(p, b).nk - c0, d, v16);
         __syncthreads();
 
@@ -119,8 +131,11 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
 #pragma unroll
             for (int t = 0; t < TN; ++t) {
                 const float pij = exp2f(s[i][t] - m_use);
-                sum += pij;
-                Ps[(g * TM + i) * LDP + lane + t * LANES] = pij;
+                sum += pij;  // the row sum (and lse) are the undropped softmax's
+                if constexpr (Policy::Dropout::kOn)
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] *= pij;  // Z_ij is there already
+                else
+                    Ps[(g * TM + i) * LDP + lane + t * LANES] = pij;
             }
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;

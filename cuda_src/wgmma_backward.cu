@@ -14,6 +14,7 @@
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "wgmma_primitives.cuh"
+#include "dq_turns.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
@@ -182,12 +183,20 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     const float* lse_b = sStat + buf * 2 * Br + quad2;
     const float* delta_b = lse_b + Br;
     pol.score.at_head(p, b, hh);
+    pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(st, c, lse_b);
-    // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows).
+    // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows). With dropout
+    // P^T is negated where dropped: dV takes the kept ones (times 1 / (1 - p) at the end), dS splits P and Z.
     uint32_t pt[Br / 16][4];
-    pack_a<T>(pt, st);
+    if constexpr (Policy::Dropout::kOn) {
+      dropout_strip<kNQ, true, true>(st, key_w, i0, pol.dropout);
+#pragma unroll
+      for (int kk = 0; kk < Br / 16; ++kk) pack_a_step_kept<T>(pt[kk], st, kk);
+    } else {
+      pack_a<T>(pt, st);
+    }
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < Br / 16; ++kk) {
@@ -204,6 +213,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
       float2 lq = {0.f, 0.f};
       if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
+      if constexpr (Policy::Dropout::kOn) dropout_split(st[n], dpt[n], pol.dropout.scale);
       ds_tile(dpt[n], st[n], dpt[n], dl, lq, pol.score, key_w, i0 + n * 8);
     }
     pack_a<T>(dst, dpt);
@@ -254,6 +264,9 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(acc_dv);
     wgmma::fence_operands(pt);
     wgmma::fence_operands(dst);
+    int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
+    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    dq_turn_wait(turn_slot, turn);
     {
       float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
       const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
@@ -270,9 +283,17 @@ __global__ void __launch_bounds__(kWG * 128, 1)
         }
       }
     }
+    dq_turn_pass(turn_slot, turn);
   }
   cp_async_wait<0>();
 
-  // dV_j and scale * dK_j (this warp's 16 keys).
+  // dV_j and scale * dK_j (this warp's 16 keys); with dropout dV took P * keep: times 1 / (1 - p).
+  if constexpr (Policy::Dropout::kOn) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dv[n][e] *= pol.dropout.scale;
+    }
+  }
   store_dk_dv<T>(p, b, hkv, key_w, 0, acc_dk, acc_dv);
 }

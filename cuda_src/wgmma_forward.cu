@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   const int warp = (threadIdx.x / 32) % 4;
   Policy pol(p);
   pol.score.at_head(p, b, h);
+  pol.dropout.at_head(p, b, h);
 
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + q0 * p.q_s.n;
   const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
@@ -131,6 +132,8 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
+    // Dropout after the row sums (lse stays undropped): P V takes P * keep / (1 - p).
+    if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s, row0, j0, pol.dropout);
   };
 
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step t issues S_t and then

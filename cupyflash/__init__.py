@@ -13,6 +13,7 @@ from .varlen_api import (
     attention_varlen_forward,
     attention_varlen_vjp,
 )
+from .dropout import dropout_mask
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -31,6 +32,7 @@ __all__ = [
     "attention_varlen_forward",
     "attention_varlen_backward",
     "attention_varlen_vjp",
+    "dropout_mask",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import reference
-from .validation import array_kind, check_attention, check_backward
+from .validation import array_kind, check_attention, check_backward, check_dropout, check_flag
 
 Kernel = str  # "auto", "wgmma", "mma" or "portable" (kernels.dispatch.KERNELS)
 KERNELS = ("auto", "wgmma", "mma", "portable")
@@ -38,7 +38,8 @@ NUMPY_BLOCK = 512
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    mask: Any = None, bias: Any = None, kernel: Kernel = "auto",
+    mask: Any = None, bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    kernel: Kernel = "auto",
 ) -> tuple[Any, Any]:  # fmt: skip
     """Softmax attention ``o = softmax(scale * q @ k^T) @ v`` and ``lse``, each row's log-sum-exp.
 
@@ -63,6 +64,11 @@ def attention_forward(
             after softcap and ALiBi (before the masks); read through its strides like ``mask``.
             Scores are formed as scale -> softcap -> ALiBi -> bias -> window/causal mask and mask -> softmax
             (with the sink).
+        dropout_p: attention dropout in [0, 1): after the softmax each probability is kept with probability
+            ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays that of the undropped softmax.
+        dropout_seed: an int in [0, 2**64), required when ``dropout_p > 0``: the keep mask is Philox4x32-10
+            keyed by (seed, batch, head, i, j) (``cupyflash.dropout_mask`` returns it), so the backward given
+            the same seed regenerates it. ``attention`` and ``attention_vjp`` draw one when none is given.
         kernel: ``"auto"`` (the fastest family that can run the call), or ``"wgmma"`` (Hopper, fp16/bf16,
             32 < D <= 128), ``"mma"`` (sm_80+, fp16/bf16), ``"portable"`` (any dtype and GPU); a family
             that cannot run the call raises ``TypeError`` with its reason.
@@ -74,21 +80,44 @@ def attention_forward(
     Raises ``TypeError`` / ``ValueError`` naming the argument before anything is launched.
     """
     _check_kernel(kernel)
+    _, seed = check_dropout(dropout_p, dropout_seed)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-               "mask": mask, "bias": bias}  # fmt: skip
+               "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
-        return cuda_backend.forward(q, k, v, causal, scale, kernel, **variant)
+        return cuda_backend.forward(q, k, v, causal, scale, kernel, dropout_seed=seed, **variant)
     p = check_attention(q, k, v, causal=causal, scale=scale, **variant)
     _numpy_kernel(kernel)
-    o, lse = reference.tiled_attention_forward(q, k, v, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK, **variant)
+    o, lse = reference.tiled_attention_forward(q, k, v, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK, dropout_seed=seed,
+                                               **variant)  # fmt: skip
     return o.astype(p.dtype), lse.astype(np.float32)
 
 
 def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any) -> Any:
-    """Softmax attention output ``o`` only; arguments as in ``attention_forward``."""
-    return attention_forward(q, k, v, causal, scale, **keywords)[0]
+    """Softmax attention output ``o`` only; arguments as in ``attention_forward``, except that with
+    ``dropout_p > 0`` and no ``dropout_seed`` a seed is drawn (``draw_seed``)."""
+    return attention_forward(q, k, v, causal, scale, **_with_seed(q, keywords))[0]
+
+
+def draw_seed(like: Any) -> int:
+    """A dropout seed from the global generator of ``like``'s library: CuPy's (``cupy.random``, which costs one
+    device-to-host copy) for CuPy arrays, NumPy's for NumPy arrays. Seed those generators to reproduce it."""
+    if _is_cupy(like):
+        import cupy
+
+        hi, lo = (int(x) for x in cupy.random.randint(0, 1 << 31, size=2, dtype=np.int64).get())
+    else:
+        hi, lo = (int(x) for x in np.random.randint(0, 1 << 31, size=2, dtype=np.int64))
+    return (hi << 31) | lo
+
+
+def _with_seed(q: Any, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` with a drawn dropout_seed where dropout is asked for without one."""
+    p, seed = check_dropout(keywords.get("dropout_p", 0.0), keywords.get("dropout_seed"), need_seed=False)
+    if p > 0 and seed is None:
+        return {**keywords, "dropout_seed": draw_seed(q)}
+    return keywords
 
 
 def attention_backward(
@@ -108,7 +137,10 @@ def attention_backward(
     mask: Any = None,
     bias: Any = None,
     bias_grad: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
     kernel: Kernel = "auto",
+    deterministic: bool = False,
 ) -> tuple[Any, ...]:
     """Gradients ``(dq, dk, dv)`` of ``attention`` for the output gradient ``do``; with ``sinks`` also
     ``dsinks`` (float32, ``(Hq,)``, summed over batch and rows); with ``bias_grad=True`` (which needs a
@@ -119,20 +151,28 @@ def attention_backward(
     q's shape and dtype. The attention matrix is recomputed tile by tile (FlashAttention's
     backward), so memory stays O(N). dk and dv have k's and v's shapes: under GQA each sums over its
     group of query heads. The variant keywords must be those of the forward that made o and lse (its lse
-    includes the sinks: that is how the backward knows each row's sink share). ``kernel`` as in
+    includes the sinks: that is how the backward knows each row's sink share); so must ``dropout_p`` and
+    ``dropout_seed`` (the mask is regenerated from them, never stored). ``kernel`` as in
     ``attention_forward`` (any family's backward runs on any family's forward output).
+
+    ``deterministic=True`` makes the CUDA backward bitwise reproducible from run to run (any stream, GQA and
+    causal included): every family adds each key tile's dQ share in key-tile order (ordered turns), and
+    dsinks is summed without atomics. The NumPy backend is always deterministic.
     """
     _check_kernel(kernel)
+    check_flag("deterministic", deterministic)
+    _, seed = check_dropout(dropout_p, dropout_seed)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-               "mask": mask, "bias": bias}  # fmt: skip
+               "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
-        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, bias_grad=bias_grad, **variant)
+        return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, bias_grad=bias_grad,
+                                     deterministic=deterministic, dropout_seed=seed, **variant)  # fmt: skip
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, bias_grad=bias_grad, **variant)
     _numpy_kernel(kernel)
     grads = reference.tiled_attention_backward(do, q, k, v, o, lse, causal, p.scale, NUMPY_BLOCK, NUMPY_BLOCK,
-                                               bias_grad=bias_grad, **variant)  # fmt: skip
+                                               bias_grad=bias_grad, dropout_seed=seed, **variant)  # fmt: skip
     out = tuple(g.astype(p.dtype) for g in grads[:3])
     if sinks is not None:
         out = (*out, grads[3].astype(np.float32))
@@ -143,14 +183,17 @@ def attention_vjp(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, **keywords: Any
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
     """``o`` and a function ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks, ``+ dbias`` with
-    ``bias_grad=True``); keywords as in ``attention_forward`` plus ``bias_grad``. Only o and lse stay alive
-    in between."""
+    ``bias_grad=True``); keywords as in ``attention_forward`` plus ``bias_grad`` and ``deterministic`` for the
+    backward (see ``attention_backward``). Only o and lse stay alive in between. With ``dropout_p > 0`` and no
+    ``dropout_seed`` a seed is drawn (``draw_seed``) and the backward uses the same one."""
     if keywords.get("bias_grad") and keywords.get("bias") is None:  # say so before the forward runs
         raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
+    deterministic = check_flag("deterministic", keywords.pop("deterministic", False))
+    keywords = _with_seed(q, keywords)
     forward_keywords = {n: x for n, x in keywords.items() if n != "bias_grad"}
     o, lse = attention_forward(q, k, v, causal, scale, **forward_keywords)
 
     def vjp(do: Any) -> tuple[Any, ...]:
-        return attention_backward(do, q, k, v, o, lse, causal, scale, **keywords)
+        return attention_backward(do, q, k, v, o, lse, causal, scale, deterministic=deterministic, **keywords)
 
     return o, vjp

@@ -172,17 +172,19 @@ def _head_layout(x: Any, nbatch: int) -> tuple:
 
 def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window_size: Any = None,
             softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-            bias: Any = None) -> tuple[Any, Any]:  # fmt: skip
+            bias: Any = None, dropout_p: Any = 0.0, dropout_seed: int | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """``dropout_seed`` is checked by the caller and not part of the signature: it is written per call."""
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), _key_of(mask), _key_of(bias), cupy.cuda.runtime.getDevice(), _array_key(q), _array_key(k),
-           _array_key(v))  # fmt: skip
+           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(dropout_p), cupy.cuda.runtime.getDevice(),
+           _array_key(q), _array_key(k), _array_key(v))  # fmt: skip
     extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
     prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias)  # fmt: skip
+                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
+                            dropout_p=dropout_p)  # fmt: skip
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
                         extra)  # fmt: skip
@@ -204,29 +206,41 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
     ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr, "lse": lse.data.ptr}
     for n, a in extra.items():
         ptrs[n] = a.data.ptr
-    run(prep.plan, prep.geometry, ptrs)
+    run(prep.plan, prep.geometry, ptrs, _seed_of(p, dropout_seed))
     return o, lse
+
+
+def _seed_of(p: AttentionProblem, seed: int | None) -> int | None:
+    """The seed to write into the params: only with dropout, where one is required."""
+    if not p.variant.dropout > 0:
+        return None
+    if seed is None:
+        raise ValueError("dropout_seed is required when dropout_p > 0")
+    return seed
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
              window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-             mask: Any = None, bias: Any = None, bias_grad: Any = False):  # fmt: skip
+             mask: Any = None, bias: Any = None, bias_grad: Any = False, dropout_p: Any = 0.0,
+             dropout_seed: int | None = None, deterministic: bool = False):  # fmt: skip
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), cupy.cuda.runtime.getDevice(),
-           *(_array_key(x) for x in (do, q, k, v, o, lse)))  # fmt: skip
+           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), _key_of(dropout_p),
+           cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),
+           bool(deterministic))  # fmt: skip
     extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
     prep = _backward_cache.get(key)
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
-                           bias_grad=bias_grad)  # fmt: skip
+                           bias_grad=bias_grad, dropout_p=dropout_p)  # fmt: skip
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
         if bias_grad:  # the f32 accumulator, contiguous in the bias's own shape (broadcast dims: stride 0)
             outputs["dbias"] = (bias.shape, _FLOAT32)
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
-        prep = _prepare(p, kernel, inputs, outputs, lambda f, p, g, lim: f.backward_plan(p, g, lim), extra)
+        prep = _prepare(p, kernel, inputs, outputs,
+                        lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra)
         _backward_cache[key] = prep
     p = prep.p
     dq = cupy.empty(q.shape, dtype=p.dtype)
@@ -245,12 +259,26 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     x = _inputs(prep, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     ptrs = {n: a.data.ptr for n, a in x.items()}
     ptrs.update({n: a.data.ptr for n, a in extra.items()})
-    if dsinks is not None:
+    if dsinks is not None and not deterministic:
         ptrs["dsinks"] = dsinks.data.ptr
     if dbias is not None:
         ptrs["dbias"] = dbias.data.ptr
-    run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr})
+    run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr},
+        _seed_of(p, dropout_seed))
+    if dsinks is not None and deterministic:  # the kernels' per-row atomics would add in any order
+        dsinks[...] = _dsinks(do, o, lse, sinks, p.hq)
     return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))
+
+
+def _dsinks(do: Any, o: Any, lse: Any, sinks: Any, hq: int) -> Any:
+    """d sink_h = -sum over batch and rows of P_sink * Delta (P_sink = exp(sink_h - lse), 0 where lse = -inf),
+    by CuPy's reductions, whose order is fixed."""
+    import cupy
+
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1)
+    lse32 = lse.astype(np.float32)
+    share = cupy.where(lse32 == -np.inf, np.float32(0), cupy.exp(sinks.reshape(-1, 1) - lse32)) * delta
+    return -share.reshape(-1, hq, share.shape[-1]).sum(axis=(0, 2))
 
 
 # ---------------------------------------------------------------------------- one family, given outputs
@@ -277,8 +305,9 @@ def _run_into(family: Any, plan_of: str, arrays: dict[str, Any], p: AttentionPro
     g = _geometry(p, layout)
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
+    seed = options.pop("dropout_seed", None)
     ptrs = {n: x.data.ptr for n, x in {**arrays, **extra}.items()}
-    run(getattr(family, plan_of)(p, g, DeviceLimits.current(), **options), g, ptrs)
+    run(getattr(family, plan_of)(p, g, DeviceLimits.current(), **options), g, ptrs, _seed_of(p, seed))
 
 
 def backward_into(

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .validation import AttentionProblem, array_kind, check_attention, check_backward, score_shape
+from . import dropout as _dropout
+from .validation import AttentionProblem, array_kind, check_attention, check_backward, check_dropout, score_shape
 
 NEG_INF = -np.inf
 
@@ -126,9 +127,24 @@ def _dbias(dS: Any, bias: Any, p: AttentionProblem) -> Any:
 
 
 def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
-                    bias: Any = None) -> dict[str, Any]:  # fmt: skip
+                    bias: Any = None, dropout_p: Any = 0.0) -> dict[str, Any]:  # fmt: skip
     return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-            "mask": mask, "bias": bias}  # fmt: skip
+            "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
+
+
+def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> int | None:
+    return check_dropout(dropout_p, dropout_seed, need_seed=True)[1]
+
+
+def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, cols: Any) -> Any:
+    """keep / (1 - p) on the rows x cols tile, (*batch, Hk, G, len(rows), len(cols)), broadcasting like S; None
+    without dropout. The mask is ``dropout.keep``'s (the kernels' rule)."""
+    if not p.variant.dropout > 0:
+        return None
+    rows, cols = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (rows, cols))
+    kept = _dropout.keep(seed, p.variant.dropout, np.arange(p.batch_size), np.arange(p.hq), rows, cols)
+    z = kept.reshape(*p.batch, p.hk, p.group, len(rows), len(cols)) / (1.0 - p.variant.dropout)
+    return xp.asarray(z)
 
 
 # ---------------------------------------------------------------------------- plain
@@ -137,14 +153,16 @@ def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: An
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None,
+    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
 
     scores = scale q k^T, then softcap, then ALiBi, then the bias, then the causal/window mask and the mask
-    array; a sink logit per head joins every row's denominator (and its lse)."""
+    array; a sink logit per head joins every row's denominator (and its lse). With dropout, o = (P * keep /
+    (1 - p)) v with ``cupyflash.dropout_mask``'s keep mask; lse is the undropped one."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
@@ -160,7 +178,8 @@ def attention_forward(
     if sink is not None:
         l = l + xp.exp(sink - m_safe)
     P = E / xp.where(l > 0, l, 1.0)
-    O = P @ V
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    O = (P if Z is None else P * Z) @ V
     lse = xp.where(l > 0, m + xp.log(xp.where(l > 0, l, 1.0)), NEG_INF)
     return O.reshape(q.shape), lse.reshape(q.shape[:-1])
 
@@ -178,7 +197,8 @@ def _dsinks(xp: Any, L: Any, Delta: Any, sinks: Any, p: AttentionProblem) -> Any
 
 
 def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, alibi_slopes: Any,
-              sinks: Any, mask: Any = None, bias: Any = None, bias_grad: bool = False) -> tuple[Any, ...]:  # fmt: skip
+              sinks: Any, mask: Any = None, bias: Any = None, bias_grad: bool = False,
+              seed: int | None = None) -> tuple[Any, ...]:  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -187,8 +207,11 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
     arrays = (_score_array(mask, p), _score_array(bias, p))
     S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes, arrays)
     P = _probabilities(xp, S, L, xp.isfinite(S))
-    dV = P.swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    dV = (P if Z is None else P * Z).swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
     dP = dO @ _t(V)
+    if Z is not None:  # d(loss)/d(undropped P) = Z dP; Delta = rowsum(dO O) still equals rowsum(P Z dP)
+        dP = dP * Z
     Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) (+ the sink's share) when o is exact
     dS_score = P * (dP - Delta)  # d loss / d score: the bias's gradient before any reduction
     dS = dS_score * p.variant.dscore(xp, raw)
@@ -203,18 +226,20 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
 def attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None, bias_grad: bool = False,
+    bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, then dsinks (float64,
     (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks), then dbias (float64,
-    the bias's shape: d loss / d score summed over the bias's broadcast dims) when ``bias_grad``.
+    the bias's shape: d loss / d score summed over the bias's broadcast dims) when ``bias_grad``. Dropout
+    keywords as the forward's.
 
     Delta = rowsum(dO * O) uses the given o, as the kernels do. dk and dv have k's and v's
     shapes: under GQA each sums over its group's query heads.
     """
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
-    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, mask, bias, bool(bias_grad))
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+    return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, mask, bias, bool(bias_grad),
+                     _dropout_seed(dropout_p, dropout_seed))  # fmt: skip
 
 
 def attention_vjp(
@@ -223,10 +248,12 @@ def attention_vjp(
     """o (float64) and vjp(do) -> (dq, dk, dv[, dsinks][, dbias]); do has q's shape and dtype (or float64).
     ``bias_grad=True`` (with a bias) adds dbias."""
     bias_grad = variant.pop("bias_grad", False)
+    seed = variant.pop("dropout_seed", None)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True, **variant)
     if bias_grad and variant.get("bias") is None:
         raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
-    o, lse = attention_forward(q, k, v, causal, p.scale, **variant)
+    seed = _dropout_seed(p.variant.dropout, seed)
+    o, lse = attention_forward(q, k, v, causal, p.scale, dropout_seed=seed, **variant)
 
     def vjp(do: Any) -> tuple[Any, ...]:
         array_kind("do", do)
@@ -235,7 +262,7 @@ def attention_vjp(
         if np.dtype(do.dtype) not in (p.dtype, np.dtype(np.float64)):
             raise TypeError(f"do.dtype must equal q.dtype ({p.dtype}) or be float64; got {do.dtype}")
         return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"),
-                         variant.get("mask"), variant.get("bias"), bool(bias_grad))  # fmt: skip
+                         variant.get("mask"), variant.get("bias"), bool(bias_grad), seed)  # fmt: skip
 
     return o, vjp
 
@@ -258,17 +285,18 @@ def _tile_skipped(p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> bo
 def tiled_attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None,
+    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
     For each Q_i the keys stream past once; a running row max m and row sum l let O_i be
     rescaled instead of recomputed, and lse = m + log l is written once at the end. A sink starts
-    m at its logit and l at 1.
+    m at its logit and l at 1. Dropout drops from what multiplies V_j, not from l (lse stays undropped).
     """
     _check_blocks(block_q, block_k)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
     slopes = None if alibi_slopes is None else _per_head(alibi_slopes, p)
@@ -295,7 +323,8 @@ def tiled_attention_forward(
             P_ij = xp.exp(S_ij - m_safe)
             alpha = xp.exp(m - m_safe)  # rescales what was summed under the old max
             l = alpha * l + P_ij.sum(axis=-1, keepdims=True)
-            acc = alpha * acc + P_ij @ V[..., j0:j1, :]
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            acc = alpha * acc + (P_ij if Z_ij is None else P_ij * Z_ij) @ V[..., j0:j1, :]
             m = m_new
         seen = l > 0
         O[..., i0:i1, :] = acc / xp.where(seen, l, 1.0)
@@ -307,14 +336,15 @@ def tiled_attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None,
     block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None, bias_grad: bool = False,
+    bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
     accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ (and, with ``bias_grad``,
     each tile's dS into dbias, summed over the bias's broadcast dims as the kernels' atomics do)."""
     _check_blocks(block_q, block_k)
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias))  # fmt: skip
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+    seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -338,8 +368,11 @@ def tiled_attention_backward(
             Q_i, dO_i = Q[..., i0:i1, :], dO[..., i0:i1, :]
             S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes, arrays)
             P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], xp.isfinite(S_ij))
-            dV_j += (_t(P_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: the group shares V_j
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            dV_j += (_t(P_ij if Z_ij is None else P_ij * Z_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: V_j shared
             dP_ij = dO_i @ _t(V_j)
+            if Z_ij is not None:
+                dP_ij = dP_ij * Z_ij
             dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :])
             if dbias is not None:
                 _add_tile_dbias(xp, dbias, dS_ij, p, i0, i1, j0, j1)

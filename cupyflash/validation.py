@@ -170,6 +170,7 @@ def check_attention(
     sinks: Any = None,
     mask: Any = None,
     bias: Any = None,
+    dropout_p: Any = 0.0,
     allow_float64: bool = False,
 ) -> AttentionProblem:
     """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D) and the variant keywords; describe the problem.
@@ -220,8 +221,9 @@ def check_attention(
         ok = _dtypes.SUPPORTED + ((np.dtype(np.float64),) if allow_float64 else ())
         _check_score_array("bias", bias, xp, full, ok)
         bias_type = _dtypes.CTYPE.get(np.dtype(bias.dtype), "double")
+    dropout, _ = check_dropout(dropout_p, None, need_seed=False)
     variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None, mask is not None,
-                         bias_type)  # fmt: skip
+                         bias_type, dropout)  # fmt: skip
     return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, variant, float(scale), xp)
 
 
@@ -261,3 +263,31 @@ def check_backward(
     if lse.shape != q.shape[:-1]:
         raise ValueError(f"lse must have shape {q.shape[:-1]} (q's shape without D); got {lse.shape}")
     return p
+
+
+def check_flag(name: str, x: Any) -> bool:
+    """A keyword that must be a bool (``deterministic``): 1 or "yes" is a mistake, not a truth value."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {type(x).__name__}")
+    return bool(x)
+
+
+def check_dropout(dropout_p: Any, dropout_seed: Any, need_seed: bool = True) -> tuple[float, int | None]:
+    """``dropout_p`` a real number in [0, 1); ``dropout_seed`` an int in [0, 2^64), required (``need_seed``)
+    when dropout_p > 0. Returns (p, seed)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a real number; got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_seed is None:
+        if p > 0 and need_seed:
+            raise ValueError("dropout_seed is required when dropout_p > 0 (the forward and the backward must "
+                             "use the same one; attention() and attention_vjp() draw one for you)")  # fmt: skip
+        return p, None
+    if isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, (int, np.integer)):
+        raise TypeError(f"dropout_seed must be an int; got {type(dropout_seed).__name__}")
+    seed = int(dropout_seed)
+    if not 0 <= seed < 1 << 64:
+        raise ValueError(f"dropout_seed must be in [0, 2**64); got {seed}")
+    return p, seed

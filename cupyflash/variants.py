@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .dropout import threshold as dropout_threshold
+
 LOG2E = 1.4426950408889634
 
 
@@ -34,6 +36,8 @@ class Variant:
     sinks: one logit per query head joins every row's softmax denominator.
     mask: a bool array (True = may attend) is ANDed with the mask above (issue 17).
     bias: the C++ element type of an additive bias array (added after softcap and ALiBi), or None.
+    dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p
+        (``dropout.py``'s mask) and scaled by 1 / (1 - p); lse stays that of the undropped softmax.
     """
 
     causal: bool = False
@@ -43,17 +47,18 @@ class Variant:
     sinks: bool = False
     mask: bool = False
     bias: str | None = None
+    dropout: float = 0.0
 
     @classmethod
     def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
-           mask: bool = False, bias: str | None = None) -> "Variant":  # fmt: skip
+           mask: bool = False, bias: str | None = None, dropout: float = 0.0) -> "Variant":  # fmt: skip
         """The normal form: a window that bounds nothing is no window; causal folds into the window."""
         left, right = (-1, -1) if window_size is None else window_size
         if causal:
             right = 0
         window = None if left < 0 and (right < 0 or (causal and right == 0)) else (left, right)
         return cls(causal=causal and window is None, window=window, softcap=float(softcap), alibi=alibi, sinks=sinks,
-                   mask=mask, bias=bias)  # fmt: skip
+                   mask=mask, bias=bias, dropout=float(dropout))  # fmt: skip
 
     # ------------------------------------------------------------------ the C++ side
 
@@ -73,6 +78,8 @@ class Variant:
     @property
     def cpp_policy(self) -> str:
         """The C++ ``Policy`` type the kernels of this call are instantiated with."""
+        if self.dropout > 0:
+            return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}, cupyflash::Dropout>"
         return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}>"
 
     def params(self, scale: float, nq: int, nk: int) -> dict[str, Any]:
@@ -84,6 +91,8 @@ class Variant:
             "window_right": right,
             "softcap_scale": scale / cap if cap > 0 else 0.0,
             "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
+            "dropout_threshold": dropout_threshold(self.dropout),
+            "dropout_scale": 1.0 / (1.0 - self.dropout),
         }
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:
@@ -162,6 +171,9 @@ ARRAYS: tuple[Variant, ...] = (
     Variant(window=(8, 8), softcap=30.0, mask=True, bias="float"),
 )
 PLAIN: tuple[Variant, ...] = BUILTIN[:2]
+#: Every built-in policy also comes with dropout (a third policy member); CI compiles these representatives of
+#: them only (tests/test_compile.py), to keep its compile time in budget.
+DROPOUT: tuple[Variant, ...] = (Variant(dropout=0.1), Variant(causal=True, softcap=30.0, dropout=0.1))
 
 
 def check_finite_nonneg(name: str, x: Any) -> float:

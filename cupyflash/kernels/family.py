@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
 from . import build
-from .params import Params
+from .params import Params, write_dropout
 
 LOG2E = 1.4426950408889634
 
@@ -150,8 +150,9 @@ def allocate(nbytes: int) -> Any:
     return cupy.cuda.alloc(nbytes)
 
 
-def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
-    """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers."""
+def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int | None = None) -> None:
+    """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers (and, with
+    dropout, the seed and the sub-batch's first batch index: the mask is keyed by the global batch index)."""
     import cupy
 
     stream = cupy.cuda.get_current_stream().ptr
@@ -173,6 +174,8 @@ def run(plan: CallPlan, g: Geometry, pointers: dict[str, int]) -> None:
             values = Params.pointer_values(ptrs, offsets)
             for launch in launches:
                 Params.write_pointers(launch.buffer, values)
+                if dropout_seed is not None:
+                    write_dropout(launch.buffer, dropout_seed, i * g.batch)
                 launch.fire(stream)
     del memory
 

@@ -23,6 +23,7 @@ POINTERS: tuple[str, ...] = (
     "q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "dq_accum", "delta", "lse_log2", "alibi", "sinks", "dsinks",
     "cu_seqlens_q", "cu_seqlens_k", "seqused_k",  # varlen (issue 14)
     "mask", "bias", "dbias",  # masks and biases (issue 17)
+    "dq_turns",
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 STRIDE4_FIELDS: tuple[str, ...] = ("mask_s", "bias_s", "dbias_s")
@@ -55,6 +56,10 @@ PARAMS = np.dtype(
         ("mask_s", _STRIDES4),
         ("bias_s", _STRIDES4),
         ("dbias_s", _STRIDES4),
+        ("dropout_seed", "<u8"),
+        ("dropout_threshold", "<u4"),
+        ("dropout_scale", "<f4"),
+        ("dropout_b0", "<i4"),
     ],
     align=True,
 )
@@ -100,6 +105,16 @@ class Params:
         buf = bytearray(base)
         Params.write_pointers(buf, Params.pointer_values(pointers))
         return buf
+
+
+_SEED_AT = PARAMS.fields["dropout_seed"][1]
+_B0_AT = PARAMS.fields["dropout_b0"][1]
+
+
+def write_dropout(buf: bytearray, seed: int, b0: int) -> None:
+    """A call's dropout seed and its launch's first batch index into params bytes (``with_pointers``'s)."""
+    struct.pack_into("<Q", buf, _SEED_AT, seed)
+    struct.pack_into("<i", buf, _B0_AT, b0)
 
 
 def field_offsets() -> dict[str, int]:

@@ -10,6 +10,8 @@ recomputes dS and writes dQ once). The environment variable ``CUPYFLASH_PORTABLE
 the default; ``backward_plan(..., dq_strategy=...)`` overrides it. On an H200 (fp32) the
 atomics were faster in every measured shape (D=128, N=4096: 27.2 vs 21.7 TFLOP/s; D=64 causal,
 N=1024..4096: 19-28 vs 16-22), as the separate pass recomputes S and dP (7 tile products, not 5).
+The deterministic backward keeps the strategy: its atomics take ordered turns (``cuda_src/dq_turns.cuh``);
+the separate pass is deterministic as it is.
 """
 from __future__ import annotations
 
@@ -60,9 +62,12 @@ def forward_plan(p: AttentionProblem, g: Geometry, limits: DeviceLimits) -> Call
 
 
 def backward_plan(
-    p: AttentionProblem, g: Geometry, limits: DeviceLimits, dq_strategy: plans.DqStrategy | None = None
+    p: AttentionProblem, g: Geometry, limits: DeviceLimits, dq_strategy: plans.DqStrategy | None = None,
+    deterministic: bool = False,
 ) -> CallPlan:
-    """Delta (and lse in log2 units), dK/dV (with dQ atomics, or followed by the dQ pass), the dQ conversion."""
+    """Delta (and lse in log2 units), dK/dV (with dQ atomics, or followed by the dQ pass), the dQ conversion.
+    ``deterministic``: the atomics go in key-tile order (ordered turns, ``cuda_src/dq_turns.cuh``), or, with
+    ``dq_strategy="separate"``, the dQ pass writes each row once."""
     strategy = dq_strategy or DQ_STRATEGY
     s = _shape(p, g)
     rows = scratch_rows(p, g)
@@ -70,6 +75,8 @@ def backward_plan(
     scratch = [Scratch("lse_log2", rows), Scratch("delta", rows)]
     if strategy == "atomic":
         scratch.append(Scratch("dq_accum", rows * s.d, zeroed=True))
+        if deterministic:  # one turn counter per (batch, query head, query tile of the dK/dV kernel)
+            scratch.append(Scratch("dq_turns", s.b * s.hq * -(-s.nq // plan.kv_tile.cols), zeroed=True))
     # The kv and dq kernels' grids put heads fastest under the same rule (B*Hk <= B*Hq).
     params = base_params(p, g, plans.heads_fastest(s.b * s.hq), vec=_vec(p, g))
     kv_params = base_params(p, g, plans.heads_fastest(s.b * s.hk), vec=_vec(p, g))

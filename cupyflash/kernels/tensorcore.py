@@ -20,7 +20,11 @@ def forward_call(plan: ForwardPlan, p: AttentionProblem, g: Geometry) -> CallPla
     return call_plan([plan.main], base_params(p, g, plan.heads_on_x))
 
 
-def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry) -> CallPlan:
-    """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params)."""
+def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, deterministic: bool = False) -> CallPlan:
+    """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params).
+    ``deterministic``: one zeroed turn counter per (batch, query head, query tile of the main kernel), so
+    the key tiles add into dQ in a fixed order (``cuda_src/dq_turns.cuh``)."""
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
+    if deterministic:
+        scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))
     return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x), scratch)

@@ -45,10 +45,11 @@ def forward_plan(
 
 
 def backward_plan(
-    p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.BackwardConfig | None = None
+    p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.BackwardConfig | None = None,
+    deterministic: bool = False,
 ) -> CallPlan:
     plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant)
-    return backward_call(plan, p, g)
+    return backward_call(plan, p, g, deterministic)
 
 
 # Entry points with given outputs, for tests and benchmarks (the API goes through cuda_backend's cache).

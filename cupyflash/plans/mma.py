@@ -253,11 +253,12 @@ def plan_backward(
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
 
 
-def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
-    """Every (source, name expression) the family can launch."""
+def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
+                   ) -> list[tuple[str, str]]:  # fmt: skip
+    """Every (source, name expression) the family can launch with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
-        for pol in (v.cpp_policy for v in BUILTIN):
+        for pol in (v.cpp_policy for v in variants):
             out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]

@@ -192,6 +192,7 @@ class PortableBackwardPlan:
     delta: LaunchPlan
     kv: LaunchPlan
     dq: LaunchPlan  # portable_bwd_dq (separate) or portable_bwd_dq_convert (atomic)
+    kv_tile: Tile | None = None  # the dK/dV kernel's tile: its cols are the query tiles of the dQ turns
 
     @property
     def launches(self) -> tuple[LaunchPlan, ...]:
@@ -220,15 +221,15 @@ def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "ato
         # Grid-stride loop: enough blocks to fill the device, no more.
         blocks = max(1, min(cdiv(rows * s.d, CONVERT_THREADS), 32 * limits.sm_count))
         dq = LaunchPlan(BACKWARD_SOURCE, convert_name(ct), (blocks, 1, 1), (CONVERT_THREADS, 1, 1), 0)
-    return PortableBackwardPlan(s, dp, dq_strategy, delta, kv, dq)
+    return PortableBackwardPlan(s, dp, dq_strategy, delta, kv, dq, kt)
 
 
-def instantiations() -> list[tuple[str, str]]:
-    """Every (source, name expression) the portable family can launch."""
+def instantiations(variants: tuple[Variant, ...] = BUILTIN) -> list[tuple[str, str]]:
+    """Every (source, name expression) the portable family can launch with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for dtype in _dtypes.SUPPORTED:
         ct = ctype(dtype)
-        for pol in (v.cpp_policy for v in BUILTIN):
+        for pol in (v.cpp_policy for v in variants):
             for dp in D_PADS:
                 out += [(FORWARD_SOURCE, fwd_name(ct, dp, t, pol)) for t in FORWARD_TILES[dp]]
                 out += [(BACKWARD_SOURCE, kv_name(ct, dp, t, pol)) for t in KV_TILES[dp]]

@@ -161,11 +161,13 @@ def plan_backward(
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
 
 
-def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16")) -> list[tuple[str, str]]:
-    """The forward and backward main kernels (the backward's helpers are the mma family's)."""
+def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
+                   ) -> list[tuple[str, str]]:  # fmt: skip
+    """The forward and backward main kernels (the backward's helpers are the mma family's), with the policies
+    of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
-        for pol in (v.cpp_policy for v in BUILTIN):
+        for pol in (v.cpp_policy for v in variants):
             out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
     return out
