@@ -47,9 +47,11 @@ def seqlens_of(p: KVCacheProblem, cache_seqlens: Any) -> np.ndarray:
 
 def rotate(p: KVCacheProblem, x: Any, positions: Any, cos: Any, sin: Any) -> np.ndarray:
     """x (..., N, D) float64 with row n rotated to positions[n]: pairs (x1, x2) of the first rotary_dim elements
-    -> (x1 cos - x2 sin, x1 sin + x2 cos); pairs are (2j, 2j + 1) when interleaved, else (j, j + rotary_dim / 2)."""
+    -> (x1 cos - x2 sin, x1 sin + x2 cos); pairs are (2j, 2j + 1) when interleaved, else (j, j + rotary_dim / 2).
+    A position past the table (a query row beyond the cache's capacity) takes its last row, as the kernel does."""
     x = np.array(x, dtype=np.float64)
     half = p.rotary_dim // 2
+    positions = np.clip(positions, 0, len(cos) - 1)
     c = np.asarray(cos, dtype=np.float64)[positions]  # (N, half)
     s = np.asarray(sin, dtype=np.float64)[positions]
     if p.rotary_interleaved:
@@ -112,6 +114,8 @@ def attention_with_kvcache(
         slopes = None
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b]
-        o[b], lse[b] = reference.attention_forward(q[b], K, V, causal, p.scale, window_size=window_size,
+        # float64 throughout: q is float64 once rotated, the cache keeps its own dtype.
+        Q, K, V = (np.asarray(x, dtype=np.float64) for x in (q[b], K, V))
+        o[b], lse[b] = reference.attention_forward(Q, K, V, causal, p.scale, window_size=window_size,
                                                    softcap=softcap, alibi_slopes=slopes, sinks=sinks)  # fmt: skip
     return o, lse
