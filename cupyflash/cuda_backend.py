@@ -225,6 +225,10 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
              dropout_seed: int | None = None, deterministic: bool = False):  # fmt: skip
     import cupy
 
+    if deterministic and bias_grad:  # dbias is summed by float atomics (ArrayScore.add_dbias)
+        raise NotImplementedError("deterministic=True with bias_grad=True is not supported yet: dbias is accumulated "
+                                  "with float atomics, whose order varies from run to run")  # fmt: skip
+
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), _key_of(dropout_p),
            cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),

@@ -133,3 +133,15 @@ def test_api_with_sinks_is_reproducible(kernel, rng):
     tol = TOL_GRAD["float32" if kernel == "portable" else "float16"]
     for name, x, r in zip(("dq", "dk", "dv", "dsinks"), first, ref):
         assert rel_err(x, r) <= tol, name
+
+
+def test_deterministic_refuses_bias_grad_before_launch(rng):
+    """dbias is summed by float atomics: deterministic=True with bias_grad=True says so instead of breaking the
+    promise (nothing launches: the gradients' memory is never touched)."""
+    import cupy
+
+    q = cupy.asarray(rng.standard_normal((1, 2, 16, 32)).astype(np.float32))
+    bias = cupy.asarray(rng.standard_normal((16, 16)).astype(np.float32))
+    o, lse = cupyflash.attention_forward(q, q, q, bias=bias)
+    with pytest.raises(NotImplementedError, match="deterministic=True with bias_grad=True"):
+        cupyflash.attention_backward(o, q, q, q, o, lse, bias=bias, bias_grad=True, deterministic=True)
