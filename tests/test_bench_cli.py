@@ -568,3 +568,196 @@ def test_run_variants_records_without_a_gpu(monkeypatch):
     assert len(calls) == len(rows)
     recs = variants.run_variants(rows, False, None, 0, ENV, lambda m: None)
     assert {r.impl for r in recs} == {"cupyflash"}
+
+
+# ---------------------------------------------------------------------------- dropout and masks suites
+
+
+def test_dropout_suite_lists_its_rows_without_a_gpu(capsys):
+    from cupyflash.bench.dropout import plan_rows
+
+    o = bench.parse_args(["--suite", "dropout"], has_torch=False)
+    assert {s.dtype for s in o.shapes} == {"bfloat16"} and o.passes == ("bwd", "fwd+bwd")
+    assert all(s.b * s.n == 16384 and s.h * s.d == 2048 for s in o.shapes)
+    assert {(s.n, s.d, s.causal) for s in o.shapes} == {
+        (n, d, c) for n in (1024, 2048, 4096, 8192, 16384) for d in (64, 128) for c in (False, True)}
+    rows = plan_rows(o.shapes, o.passes, o.kernels, sdpa=False)
+    det = [r for r in rows if r.pass_ == "bwd"]
+    drop = [r for r in rows if r.pass_ == "fwd+bwd"]
+    assert len(det) == 20 * 2 + 12  # wgmma and mma everywhere, portable to N = 4k
+    assert {r.shape.n for r in det if r.kernel == "portable"} == {1024, 2048, 4096}
+    assert all(r.impls[:2] == ("cupyflash+deterministic", "cupyflash") for r in det)
+    assert all(r.impls[2:] == (("cupyflash+separate-dq",) if r.kernel == "portable" else ()) for r in det)
+    assert len(drop) == 16 and min(r.shape.n for r in drop) == 2048
+    assert all(r.impls == ("cupyflash+dropout", "cupyflash") and r.kernel == "auto" for r in drop)
+    assert rows[0].flops == bench.attention_flops(16, 32, 1024, 1024, 64, False, "bwd")
+    assert drop[0].flops == bench.attention_flops(8, 32, 2048, 2048, 64, False, "fwd+bwd")
+    assert bench.main(["--suite", "dropout", "--list", "--compare", "none"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("suite dropout") and len(out) == 1 + len(rows)
+    assert ("  deterministic[portable] bfloat16 B=16 H=32 N=1024 D=64 full bwd: 343.6 GFLOP; "
+            "cupyflash+deterministic, cupyflash, cupyflash+separate-dq") in out
+    assert ("  dropout0.1 bfloat16 B=1 H=16 N=16384 D=128 causal fwd+bwd: 3848.3 GFLOP; "
+            "cupyflash+dropout, cupyflash") in out
+    with pytest.raises(SystemExit):  # its rows have their own table: it runs alone
+        bench.parse_args(["--suite", "dropout,grid"], has_torch=False)
+
+
+def test_dropout_filters_families_passes_and_sdpa():
+    from cupyflash.bench.dropout import plan_rows
+
+    o = bench.parse_args(["--suite", "dropout", "--kernels", "mma,portable", "--passes", "bwd", "--n", "4096",
+                          "--d", "128", "--causal", "1"], has_torch=True)  # fmt: skip
+    rows = plan_rows(o.shapes, o.passes, o.kernels, sdpa=bench.cli.overhead_uses_sdpa(o))
+    assert [(r.case, r.pass_) for r in rows] == [("deterministic[mma]", "bwd"), ("deterministic[portable]", "bwd")]
+    o = bench.parse_args(["--suite", "dropout", "--kernel", "mma", "--passes", "fwd+bwd", "--n", "2048", "--d", "64",
+                          "--causal", "0"], has_torch=True)  # fmt: skip
+    (row,) = bench.cli.paired_rows(o)
+    assert row.case == "dropout0.1" and row.kernel == "mma" and row.impls[-1] == "sdpa-flash"
+    assert bench.cli.paired_rows(bench.parse_args(["--suite", "dropout", "--compare", "none", "--passes", "fwd+bwd",
+                                                   "--n", "2048", "--d", "64", "--causal", "0"],
+                                                  has_torch=True))[0].impls[-1] == "cupyflash"  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [
+    ["--suite", "dropout", "--passes", "fwd"],
+    ["--suite", "dropout", "--dtype", "fp32"],  # bf16 only: no shape left
+    ["--suite", "dropout", "--n", "512"],
+    ["--suite", "masks", "--passes", "bwd"],
+    ["--suite", "masks", "--kernels", "mma,portable"],
+    ["--suite", "masks", "--causal", "1"],  # not causal: no shape left
+    ["--suite", "masks,dropout"],
+])  # fmt: skip
+def test_dropout_and_masks_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv, has_torch=False)
+    assert e.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_masks_suite_lists_its_rows_without_a_gpu(capsys):
+    o = bench.parse_args(["--suite", "masks"], has_torch=True)
+    assert {s.dtype for s in o.shapes} == {"bfloat16", "float32"} and o.passes == ("fwd", "fwd+bwd")
+    assert all(s.b * s.n == 16384 and s.h * s.d == 2048 and not s.causal for s in o.shapes)
+    assert len(o.shapes) == 2 * 2 * 4
+    rows = bench.cli.paired_rows(o)
+    assert len(rows) == 4 * len(o.shapes)
+    assert [(r.case, r.pass_) for r in rows[:4]] == [
+        ("bias", "fwd"), ("bias_grad", "fwd+bwd"), ("mask", "fwd"), ("mask", "fwd+bwd")]
+    assert all(r.impls == ("cupyflash", "sdpa-efficient") and r.kernel == "auto" for r in rows)
+    rows = bench.cli.paired_rows(bench.parse_args(["--suite", "masks", "--compare", "none", "--kernel", "portable",
+                                                   "--passes", "fwd+bwd"], has_torch=True))  # fmt: skip
+    assert all(r.impls == ("cupyflash",) and r.kernel == "portable" and r.pass_ == "fwd+bwd" for r in rows)
+    assert bench.main(["--suite", "masks", "--list", "--compare", "none", "--dtype", "fp32", "--d", "128",
+                       "--n", "8192"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("suite masks") and len(out) == 1 + 4
+    assert "  bias_grad float32 B=2 H=16 N=8192 D=128 full fwd+bwd: 3848.3 GFLOP; cupyflash" in out
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message a CPU-only machine gets")
+@pytest.mark.parametrize("suite", ["dropout", "masks"])
+def test_dropout_and_masks_without_gpu_say_so(suite):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--suite", suite, "--compare", "none"])
+    assert "needs a CUDA GPU" in str(e.value)
+
+
+def test_paired_table_ratios_and_notes(tmp_path):
+    from cupyflash.bench import dropout
+    from cupyflash.bench.paired import format_table, record
+
+    o = bench.parse_args(["--suite", "dropout", "--n", "2048", "--d", "64", "--causal", "0"], has_torch=True)
+    rows = bench.cli.paired_rows(o)
+    assert [r.case for r in rows] == ["deterministic[wgmma]", "deterministic[mma]", "deterministic[portable]",
+                                      "dropout0.1"]  # fmt: skip
+    recs = []
+    for r in rows:
+        for i, impl in enumerate(r.impls):
+            if impl == "sdpa-flash":
+                recs.append(record(r, impl, ENV, status="error", note="RuntimeError: no kernel"))
+            elif r.kernel == "wgmma":
+                recs.append(record(r, impl, ENV, status="n/a", note="TypeError: wgmma needs sm_90"))
+            else:
+                ms = 2.0 * (1 + i * 0.25)  # the base 2 ms, the next 2.5 ms, then 3 ms
+                recs.append(record(r, impl, ENV, status="ok", median_ms=ms, tflops=timing.tflops(r.flops, ms), runs=9))
+    lines = format_table(recs, rows, dropout.NAMES).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == ["row", "pass", "ms", "TFLOP/s", "default ms", "default/base", "separate dQ ms",
+                      "separate dQ/base", "SDPA FLASH ms", "SDPA FLASH/base"]  # fmt: skip
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:2 + len(rows)]]
+    assert cells[0][2:] == ["n/a", "-", "n/a", "-", "-", "-", "-", "-"]
+    flops = rows[1].flops
+    assert cells[1][0] == "deterministic[mma] bfloat16 B=8 H=32 N=2048 D=64 full [deterministic]"
+    assert cells[1][2:] == ["2.000", f"{flops / 2e-3 / 1e12:.1f}", "2.500", "1.25x", "-", "-", "-", "-"]
+    assert cells[2][4:8] == ["2.500", "1.25x", "3.000", "1.50x"]
+    assert cells[3][2:] == ["2.000", f"{rows[3].flops / 2e-3 / 1e12:.1f}", "2.500", "1.25x", "-", "-", "error", "-"]
+    assert len({len(line) for line in lines[:2 + len(rows)]}) == 1  # aligned
+    assert "- sdpa-flash error: RuntimeError: no kernel" in lines
+    assert "- cupyflash n/a: TypeError: wgmma needs sm_90" in lines
+    path = tmp_path / "d.json"
+    bench.report.write_json(recs, str(path))
+    got = json.loads(path.read_text())
+    assert all(set(r) == set(bench.JSON_KEYS) and r["kind"] == "dropout" for r in got)
+    assert {r["workload"] for r in got} == {"softmax+deterministic[wgmma]", "softmax+deterministic[mma]",
+                                            "softmax+deterministic[portable]", "softmax+dropout0.1"}  # fmt: skip
+
+
+def test_run_rows_records_without_a_gpu(monkeypatch):
+    """run_rows with the GPU parts replaced: one record per (row, impl), inputs once per shape, a family's
+    refusal (a TypeError inside ``refused``) is n/a, any other exception an error, and the run goes on."""
+    from cupyflash.bench import device, masks, paired
+
+    made, shapes = [], []
+
+    def make(row, impl, x):
+        made.append((row.case, row.pass_, impl))
+        if impl == "sdpa-efficient" and row.case == "mask":
+            raise RuntimeError("out of memory")
+        if row.shape.dtype == "float32" and impl == "cupyflash":
+            with paired.refused():
+                raise TypeError("the mma family needs fp16/bf16")
+        return (lambda: None), paired.no_context, (lambda: None)
+
+    monkeypatch.setattr(paired, "median_ms", lambda ready: (4.0, 12))
+    monkeypatch.setattr(device, "free_device_memory", lambda: None)
+    rows = masks.plan_rows(bench.parse_args(["--suite", "masks", "--d", "64", "--n", "1024"], has_torch=True).shapes,
+                           ("fwd", "fwd+bwd"), "mma", sdpa=True)  # fmt: skip
+    saved = []
+    recs = paired.run_rows(rows, lambda s, seed: shapes.append(s) or {}, make, 0, ENV, lambda m: None,
+                           lambda r: saved.append(len(r)))  # fmt: skip
+    assert len(recs) == len(made) == 2 * len(rows) == 16 and saved == [8, 16] and len(shapes) == 2
+    status = {(r.dtype, r.workload, r.pass_, r.impl): (r.status, r.note) for r in recs}
+    assert status[("bfloat16", "softmax+bias_grad", "fwd+bwd", "cupyflash")][0] == "ok"
+    assert status[("bfloat16", "softmax+mask", "fwd", "sdpa-efficient")] == ("error", "RuntimeError: out of memory")
+    refusal = ("n/a", "Unavailable: the mma family needs fp16/bf16")
+    assert status[("float32", "softmax+bias", "fwd", "cupyflash")] == refusal
+    assert all(r.median_ms == 4.0 and r.runs == 12 and r.kind == "masks" for r in recs if r.status == "ok")
+
+
+def test_dropout_and_masks_calls_run_on_the_numpy_backend(rng):
+    """The timed calls' keywords (deterministic, dropout_p/seed, bias, bias_grad, mask) reach the API: run once
+    on NumPy arrays (the NumPy backend, kernel "auto"); a named family there is the API's TypeError, which
+    ``refused`` turns into an n/a cell."""
+    from cupyflash.bench import dropout, masks
+    from cupyflash.bench.impls import Unavailable
+    from cupyflash.bench.paired import Row
+
+    shape = Shape(2, 2, 48, 16, True, "float32")
+    x = {n: rng.standard_normal((2, 2, 48, 16)).astype(np.float32) for n in ("q", "k", "v", "do")}
+    x["bias"] = rng.standard_normal((1, 2, 48, 48)).astype(np.float32)
+    x["mask"] = rng.random((1, 2, 48, 48)) < masks.KEEP
+    rows = dropout.plan_rows([shape], ("bwd",), ("auto",), sdpa=False)
+    assert [r.kernel for r in rows] == ["wgmma", "mma", "portable"]
+    for r in rows:  # the rows name a family: refused on NumPy arrays
+        for impl in r.impls:
+            with pytest.raises(Unavailable, match="CUDA kernel family"):
+                dropout.make(r, impl, x)
+    rows = [Row("dropout", "deterministic", shape, "bwd", ("cupyflash+deterministic", "cupyflash")),
+            Row("dropout", "dropout0.1", shape, "fwd+bwd", ("cupyflash+dropout", "cupyflash"))]
+    rows += masks.plan_rows([Shape(2, 2, 48, 16, False, "float32")], ("fwd", "fwd+bwd"), "auto", sdpa=False)
+    assert len(rows) == 2 + 4
+    for r in rows:
+        for impl in r.impls:
+            call, context, _ = (dropout if r.kind == "dropout" else masks).make(r, impl, x)
+            with context():
+                call()

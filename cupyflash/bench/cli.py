@@ -11,12 +11,14 @@ from .shapes import (
     DTYPE_ALIASES,
     Shape,
     attention_flops,
+    dropout_shapes,
     fp32_shapes,
     grid_shapes,
     linear_flops,
     linear_quick_shapes,
     linear_shapes,
     long_shapes,
+    masks_shapes,
     overhead_shapes,
     quick_shapes,
     variants_shapes,
@@ -31,8 +33,12 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "quick": quick_shapes,
     "overhead": overhead_shapes,  # host time of tiny calls (bench/overhead.py); runs alone
     "variants": variants_shapes,  # window, softcap, ALiBi, sinks against plain and Flex (bench/variants.py); alone
+    "dropout": dropout_shapes,  # deterministic backward, dropout vs SDPA FLASH (bench/dropout.py); alone
+    "masks": masks_shapes,  # bias (with its gradient) and bool mask vs SDPA EFFICIENT (bench/masks.py); alone
 }
-ALONE_SUITES = ("overhead", "variants")  # their rows are not the TFLOP/s table's
+ALONE_SUITES = ("overhead", "variants", "dropout", "masks")  # their rows are not the TFLOP/s table's
+#: Suites whose rows time other passes than fwd and bwd (--passes picks among these).
+SUITE_PASSES = {"dropout": ("bwd", "fwd+bwd"), "masks": ("fwd", "fwd+bwd")}
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
 SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
 DEFAULT_SUITES = {"softmax": ("grid", "fp32"), "linear": ("linear",)}
@@ -79,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`python -m cupyflash.bench --suite grid --dtype bf16 --d 128 --kernels mma,portable --json out.json "
         "--plot out.png`; `python -m cupyflash.bench --suite long`; `python -m cupyflash.bench --mode linear`; "
         "`python -m cupyflash.bench --suite overhead --json overhead.json`; "
-        "`python -m cupyflash.bench --suite variants --d 128 --n 16384 --json variants.json`.",
+        "`python -m cupyflash.bench --suite variants --d 128 --n 16384 --json variants.json`; "
+        "`python -m cupyflash.bench --suite dropout --json dropout.json`; "
+        "`python -m cupyflash.bench --suite masks --json masks.json`.",
     )
     p.add_argument("--mode", choices=("softmax", "linear"), default="softmax", help="workload family (default softmax)")
     p.add_argument(
@@ -89,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: grid,fp32 (linear mode: linear). overhead (alone): microseconds per call of tiny "
         "forwards, backwards and a linear forward, wall time against GPU time, beside SDPA. variants (alone): "
         "bf16 window/softcap/ALiBi/sinks against our plain call and FlexAttention (--d, --n, --causal, --passes "
-        "filter; --compare none leaves Flex out)",
+        "filter; --compare none leaves Flex out). dropout (alone): bf16 deterministic backward against the default per "
+        "family (--passes bwd; --kernels picks families) and dropout 0.1 forward+backward against ours without "
+        "dropout and SDPA FLASH (--passes fwd+bwd). masks (alone): bias with its gradient and a bool mask against "
+        "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd)",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -239,16 +250,20 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
     if not has_torch and any(c in TORCH_BACKENDS for c in compare):
         parser.error("--compare torch needs PyTorch, which is not importable here")
     valid_passes = ("fwd", "bwd") if a.mode == "softmax" else ("fwd", "fwd+bwd")
+    valid_passes = SUITE_PASSES.get(suites[0], valid_passes) if len(suites) == 1 else valid_passes
     passes = tuple(_csv(a.passes)) if a.passes else valid_passes
     for p_ in passes:
         if p_ not in valid_passes:
-            parser.error(f"--passes: {p_!r} is not one of {valid_passes} for --mode {a.mode}")
+            what = f"--suite {suites[0]}" if suites[0] in SUITE_PASSES and len(suites) == 1 else f"--mode {a.mode}"
+            parser.error(f"--passes: {p_!r} is not one of {valid_passes} for {what}")
     kernels = tuple(_csv(a.kernels)) if a.kernels else (a.kernel,)
     for k in kernels:
         if k not in KERNEL_CHOICES:
             parser.error(f"--kernels: {k!r} is not one of {KERNEL_CHOICES}")
     if a.decay and a.mode != "linear":
         parser.error("--decay is a linear-attention option (--mode linear)")
+    if suites == ("masks",) and len(kernels) > 1:
+        parser.error("--suite masks compares one kernel choice with SDPA: use --kernel")
     if a.mode == "linear" and kernels != ("auto",):
         parser.error("--kernel/--kernels choose softmax kernel families; linear attention has its own")
     if a.runs < 1 or a.min_runs < 1 or a.warmup < 0 or a.max_seconds <= 0 or a.naive_budget_gb < 0:
@@ -290,7 +305,32 @@ def is_variants(opts: Options) -> bool:
     return opts.suites == ("variants",)
 
 
+def is_dropout(opts: Options) -> bool:
+    return opts.suites == ("dropout",)
+
+
+def is_masks(opts: Options) -> bool:
+    return opts.suites == ("masks",)
+
+
+def paired_rows(opts: Options) -> list:
+    """The rows of the dropout or masks suite (bench/paired.py's ``Row``), SDPA's columns when a torch
+    comparison is on."""
+    sdpa = overhead_uses_sdpa(opts)
+    if is_dropout(opts):
+        from .dropout import plan_rows as dropout_rows
+
+        return dropout_rows(opts.shapes, opts.passes, opts.kernels, sdpa)
+    from .masks import plan_rows as masks_rows
+
+    return masks_rows(opts.shapes, opts.passes, opts.kernels[0], sdpa)
+
+
 def format_plan(opts: Options) -> str:
+    if is_dropout(opts) or is_masks(opts):
+        from .paired import format_plan as paired_plan
+
+        return paired_plan(f"suite {opts.suites[0]}", paired_rows(opts))
     if is_variants(opts):
         from .variants import format_plan as variants_plan
         from .variants import plan_rows as variants_rows

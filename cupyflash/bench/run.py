@@ -7,7 +7,18 @@ import sys
 from typing import Any, Sequence
 
 from . import timing
-from .cli import TORCH_BACKENDS, Options, format_plan, is_overhead, is_variants, overhead_uses_sdpa, parse_args
+from .cli import (
+    TORCH_BACKENDS,
+    Options,
+    format_plan,
+    is_dropout,
+    is_masks,
+    is_overhead,
+    is_variants,
+    overhead_uses_sdpa,
+    paired_rows,
+    parse_args,
+)
 from .device import environment, free_device_memory, require_gpu
 from .impls import Impl, InputSet, Unavailable, first_line, random_inputs
 from .memory import memory_record
@@ -155,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return overhead_main(opts)
     if is_variants(opts):
         return variants_main(opts)
+    if is_dropout(opts) or is_masks(opts):
+        return paired_main(opts)
     records = run(opts)
     if not records:
         return 0
@@ -211,6 +224,31 @@ def variants_main(opts: Options) -> int:
 
     records = run_variants(rows, use_flex, missing, opts.seed, env, progress, save)
     print(format_variants_table(records, rows))
+    if opts.json:
+        write_json(records, opts.json)
+        progress(f"wrote {len(records)} records to {opts.json}")
+    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+
+
+def paired_main(opts: Options) -> int:
+    """``--suite dropout`` / ``--suite masks``: each row's implementations against its first (bench/paired.py),
+    JSON records of kind "dropout" / "masks"."""
+    from . import dropout, masks
+    from .paired import format_table, run_rows
+
+    suite = dropout if is_dropout(opts) else masks
+    if overhead_uses_sdpa(opts):
+        import torch  # noqa: F401  (imported before environment() so its version is recorded)
+    env = environment()
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    rows = paired_rows(opts)
+
+    def save(records: list[Record]) -> None:
+        if opts.json:
+            write_json(records, opts.json)
+
+    records = run_rows(rows, suite.inputs, suite.make, opts.seed, env, progress, save)
+    print(format_table(records, rows, suite.NAMES))
     if opts.json:
         write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")

@@ -97,6 +97,20 @@ def variants_shapes() -> list[Shape]:
             for d in GRID_DS for n in (4096, 16384) for causal in (False, True)]  # fmt: skip
 
 
+def dropout_shapes() -> list[Shape]:
+    """The dropout suite (issue 16): the bf16 DESIGN grid from N = 1k (the deterministic backward's rows;
+    dropout's start at 2k, bench/dropout.py)."""
+    return [Shape(GRID_TOKENS // n, GRID_HIDDEN // d, n, d, causal, "bfloat16")
+            for d in GRID_DS for causal in (False, True) for n in GRID_NS if n >= 1024]  # fmt: skip
+
+
+def masks_shapes() -> list[Shape]:
+    """The masks suite (issue 17): bf16 and fp32, B*N = 16k, H*D = 2048, N = 1k..8k (the (1, H, N, N) bias
+    and its gradient are 8 GiB each in fp32 at 8k), not causal (bench/masks.py)."""
+    return [Shape(GRID_TOKENS // n, GRID_HIDDEN // d, n, d, False, dtype)
+            for dtype in ("bfloat16", "float32") for d in GRID_DS for n in (1024, 2048, 4096, 8192)]  # fmt: skip
+
+
 def linear_shapes() -> list[Shape]:
     return [Shape(4, 16, 8192, d, True, dt) for dt in GRID_DTYPES for d in GRID_DS] + [
         Shape(1, 16, 32768, 64, True, dt) for dt in GRID_DTYPES
