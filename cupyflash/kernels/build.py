@@ -19,7 +19,12 @@ STD = "-std=c++17"
 
 @functools.cache
 def source_dir() -> Path:
-    """Folder of the .cu/.cuh files (installed as package data cupyflash.cuda_src)."""
+    """Folder of the .cu/.cuh files (installed as package data cupyflash.cuda_src). A source checkout's own
+    cuda_src/ beside the imported package comes first, so a second checkout (a git worktree) never
+    compiles the sources of the one that is installed in editable mode."""
+    beside = Path(__file__).resolve().parents[2] / "cuda_src"
+    if (beside / "attention_params.cuh").is_file():
+        return beside
     try:
         path = Path(str(resources.files("cupyflash.cuda_src")))
         if path.is_dir():

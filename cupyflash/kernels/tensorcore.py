@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes
-from ..plans.tensorcore import BackwardPlan, ForwardPlan
+from ..plans.tensorcore import BackwardPlan, ForwardPlan, with_rows
 from ..validation import AttentionProblem
-from .family import CallPlan, Geometry, Scratch, base_params, call_plan
+from .family import CallPlan, Geometry, Scratch, base_params, call_plan, scratch_rows
 
 
 def ctype(p: AttentionProblem) -> str:
@@ -22,5 +22,7 @@ def forward_call(plan: ForwardPlan, p: AttentionProblem, g: Geometry) -> CallPla
 
 def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry) -> CallPlan:
     """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params)."""
+    if p.varlen:  # the per-row launches and scratch cover the packed (Hq, total_q) rows
+        plan = with_rows(plan, scratch_rows(p, g))
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
     return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x), scratch)
