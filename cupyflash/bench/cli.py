@@ -20,6 +20,7 @@ from .shapes import (
     overhead_shapes,
     quick_shapes,
     variants_shapes,
+    varlen_shapes,
 )
 
 # ---------------------------------------------------------------------------- arguments
@@ -31,8 +32,9 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "quick": quick_shapes,
     "overhead": overhead_shapes,  # host time of tiny calls (bench/overhead.py); runs alone
     "variants": variants_shapes,  # window, softcap, ALiBi, sinks against plain and Flex (bench/variants.py); alone
+    "varlen": varlen_shapes,  # a packed batch against dense, padding and nested SDPA (bench/varlen.py); alone
 }
-ALONE_SUITES = ("overhead", "variants")  # their rows are not the TFLOP/s table's
+ALONE_SUITES = ("overhead", "variants", "varlen")  # their rows are not the TFLOP/s table's
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
 SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
 DEFAULT_SUITES = {"softmax": ("grid", "fp32"), "linear": ("linear",)}
@@ -89,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Default: grid,fp32 (linear mode: linear). overhead (alone): microseconds per call of tiny "
         "forwards, backwards and a linear forward, wall time against GPU time, beside SDPA. variants (alone): "
         "bf16 window/softcap/ALiBi/sinks against our plain call and FlexAttention (--d, --n, --causal, --passes "
-        "filter; --compare none leaves Flex out)",
+        "filter; --compare none leaves Flex out). varlen (alone): a packed bf16 causal batch of long-tailed "
+        "documents against our dense kernel at the same work, padding to the longest and SDPA on nested tensors "
+        "(--d, --passes filter; --compare none leaves SDPA out)",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -290,7 +294,16 @@ def is_variants(opts: Options) -> bool:
     return opts.suites == ("variants",)
 
 
+def is_varlen(opts: Options) -> bool:
+    return opts.suites == ("varlen",)
+
+
 def format_plan(opts: Options) -> str:
+    if is_varlen(opts):
+        from .varlen import format_plan as varlen_plan
+        from .varlen import plan_rows as varlen_rows
+
+        return varlen_plan(varlen_rows(opts.shapes, opts.passes), overhead_uses_sdpa(opts))
     if is_variants(opts):
         from .variants import format_plan as variants_plan
         from .variants import plan_rows as variants_rows

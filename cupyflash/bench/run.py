@@ -7,7 +7,8 @@ import sys
 from typing import Any, Sequence
 
 from . import timing
-from .cli import TORCH_BACKENDS, Options, format_plan, is_overhead, is_variants, overhead_uses_sdpa, parse_args
+from .cli import (TORCH_BACKENDS, Options, format_plan, is_overhead, is_variants, is_varlen, overhead_uses_sdpa,
+                  parse_args)
 from .device import environment, free_device_memory, require_gpu
 from .impls import Impl, InputSet, Unavailable, first_line, random_inputs
 from .memory import memory_record
@@ -139,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return overhead_main(opts)
     if is_variants(opts):
         return variants_main(opts)
+    if is_varlen(opts):
+        return varlen_main(opts)
     records = run(opts)
     if not records:
         return 0
@@ -199,3 +202,32 @@ def variants_main(opts: Options) -> int:
         write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")
     return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+
+
+def varlen_main(opts: Options) -> int:
+    """``--suite varlen``: the packed-batch table (and JSON records of kind "varlen")."""
+    from .varlen import format_varlen_table, plan_rows, run_varlen
+
+    use_torch = overhead_uses_sdpa(opts)  # a torch comparison asked for (the default with torch)
+    missing = None
+    if use_torch:
+        try:
+            import torch  # noqa: F401  (before environment(): torch's version)
+
+            torch.nested.nested_tensor_from_jagged  # noqa: B018  (jagged nested tensors: torch >= 2.3)
+        except Exception as e:
+            missing = f"torch jagged nested tensors are not available ({type(e).__name__}: {e})"
+    env = environment()
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    rows = plan_rows(opts.shapes, opts.passes)
+
+    def save(records: list[Record]) -> None:
+        if opts.json:
+            write_json(records, opts.json)
+
+    records = run_varlen(rows, use_torch, missing, opts.seed, env, progress, save)
+    print(format_varlen_table(records))
+    if opts.json:
+        write_json(records, opts.json)
+        progress(f"wrote {len(records)} records to {opts.json}")
+    return 1 if any(r.status == "error" and r.impl in ("packed",) for r in records) else 0

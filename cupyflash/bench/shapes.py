@@ -97,6 +97,12 @@ def variants_shapes() -> list[Shape]:
             for d in GRID_DS for n in (4096, 16384) for causal in (False, True)]  # fmt: skip
 
 
+def varlen_shapes() -> list[Shape]:
+    """The varlen suite (issue 14): one packed batch of GRID_TOKENS tokens (bench/varlen.py's documents), bf16,
+    causal, H * D = GRID_HIDDEN at D 64 and 128."""
+    return [Shape(1, GRID_HIDDEN // d, GRID_TOKENS, d, True, "bfloat16") for d in GRID_DS]
+
+
 def linear_shapes() -> list[Shape]:
     return [Shape(4, 16, 8192, d, True, dt) for dt in GRID_DTYPES for d in GRID_DS] + [
         Shape(1, 16, 32768, 64, True, dt) for dt in GRID_DTYPES
