@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     int hh, i0;
     tile_of(it, hh, i0);
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
-    const SeqGeometry sq = seq_geometry(p, bo);
+    const SeqRows sq = seq_queries(p, bo);
     const int row = sq.q_row0 + i0;
     load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + row * q_sn, q_sn,
                                         sq.nq - i0, d, tid);
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     const int r = opaque(static_cast<int>(threadIdx.x));
     if (r < Br) {
       const int bo = opaque(b);
-      const SeqGeometry sq = seq_geometry(p, bo);
+      const SeqRows sq = seq_queries(p, bo);
       const int i = min(i0 + r, sq.nq - 1);  // >= 0: a step exists only where the sequence has queries
       const int nbytes = i0 + r < sq.nq ? 4 : 0;
       cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn, nbytes);
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       const int bo = opaque(b);
-      const SeqGeometry sq = seq_geometry(p, bo);
+      const SeqRows sq = seq_queries(p, bo);
       float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {

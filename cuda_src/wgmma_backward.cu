@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     int hh, i0;
     tile_of(it, hh, i0);
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
-    const SeqGeometry sq = seq_geometry(p, bo);
+    const SeqRows sq = seq_queries(p, bo);
     const int nq = sq.nq, row = sq.q_row0 + i0;
     const T* gQ = q + bo * q_sb + hh * q_sh + row * q_sn;
     const T* gdO = dout + bo * do_sb + hh * do_sh + row * do_sn;
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(dst);
     {
       const int bo = opaque(b);
-      const SeqGeometry sq = seq_geometry(p, bo);
+      const SeqRows sq = seq_queries(p, bo);
       const int nq = sq.nq;
       float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
       const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
