@@ -112,25 +112,41 @@ struct SeqGeometry {
   int nq, nk;
 };
 
+// The query side alone (first row, length), for code that needs no key lengths: volatile reads are never
+// dropped, even unused, so a loop that only addresses query rows reads two values instead of five.
+struct SeqRows {
+  int q_row0, nq;
+};
+
 // The reads are volatile so that a kernel may call this again inside its main loop and get the values
 // re-read (a few L1 hits per tile) instead of kept live across the loop: dense calls answer from the
 // constant bank as before, and varlen calls cost no registers where the tiles have none to spare.
-__device__ __forceinline__ SeqGeometry seq_geometry(const AttentionParams& p, int b) {
-  if (p.cu_seqlens_q == nullptr) return {0, 0, p.nq, p.nk};  // uniform: dense calls pay one test
+__device__ __forceinline__ SeqRows seq_queries(const AttentionParams& p, int b) {
+  if (p.cu_seqlens_q == nullptr) return {0, p.nq};  // uniform: dense calls pay one test
   const volatile int* cu_q = p.cu_seqlens_q;
-  const volatile int* cu_k = p.cu_seqlens_k;
   const int q0 = min(max(cu_q[b], 0), p.total_q);
   const int q1 = min(max(cu_q[b + 1], q0), p.total_q);
+  return {q0, min(q1 - q0, p.nq)};
+}
+
+__device__ __forceinline__ SeqGeometry seq_geometry(const AttentionParams& p, int b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0, p.nq, p.nk};  // uniform: dense calls pay one test
+  const SeqRows q = seq_queries(p, b);
+  const volatile int* cu_k = p.cu_seqlens_k;
   const int k0 = min(max(cu_k[b], 0), p.total_k);
   const int k1 = min(max(cu_k[b + 1], k0), p.total_k);
   int nk = min(k1 - k0, p.nk);
   if (p.seqused_k != nullptr) nk = min(nk, max(static_cast<const volatile int*>(p.seqused_k)[b], 0));
-  return {q0, k0, min(q1 - q0, p.nq), nk};
+  return {q.q_row0, k0, q.nq, nk};
 }
 
 // The first dense scratch row (dQ accumulator, Delta, lse2) of query head h of sequence/batch b: rows are
 // (b * Hq + h) * Nq + i dense, and h * total_q + q_row0 + i varlen (one row per real query, no padding).
 __device__ __forceinline__ long long scratch_row(const AttentionParams& p, const SeqGeometry& s, int b, int h) {
+  if (p.cu_seqlens_q == nullptr) return ((long long)b * p.hq + h) * p.nq;
+  return (long long)h * p.total_q + s.q_row0;
+}
+__device__ __forceinline__ long long scratch_row(const AttentionParams& p, const SeqRows& s, int b, int h) {
   if (p.cu_seqlens_q == nullptr) return ((long long)b * p.hq + h) * p.nq;
   return (long long)h * p.total_q + s.q_row0;
 }

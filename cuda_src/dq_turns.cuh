@@ -30,6 +30,15 @@ __device__ __forceinline__ int dq_turn_of(const Mask& mask, int i0, int j0) {
   return j0 / Bc - mask.keys_of(i0, i0 + Br).begin / Bc;
 }
 
+// The same, with the mask built here from sequence b's lengths (re-read, so no register is held through the
+// step for it), and 0 when the backward is not deterministic.
+template <int Br, int Bc, class Mask>
+__device__ __forceinline__ int dq_turn_at(const AttentionParams& p, const int* slot, int b, int i0, int j0) {
+  if (slot == nullptr) return 0;
+  const SeqGeometry s = seq_geometry(p, b);
+  return dq_turn_of<Br, Bc>(Mask(p, s.nq, s.nk), i0, j0);
+}
+
 // Every thread of the block calls both (they hold __syncthreads); thread 0 spins and signals.
 __device__ __forceinline__ void dq_turn_wait(const int* slot, int turn) {
   if (slot == nullptr) return;

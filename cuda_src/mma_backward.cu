@@ -29,8 +29,9 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
   const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= p.rows) return;
-  const int i = static_cast<int>(r % p.nq);
-  const long long bh = r / p.nq;
+  const int nq = row_extent(p);  // varlen: the packed (Hq, total_q) rows, as one batch
+  const int i = static_cast<int>(r % nq);
+  const long long bh = r / nq;
   const int h = static_cast<int>(bh % p.hq);
   const long long b = bh / p.hq;
   const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
@@ -63,8 +64,9 @@ __global__ void __launch_bounds__(256) mma_bwd_dq_convert(const __grid_constant_
   const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= p.rows) return;
-  const int i = static_cast<int>(r % p.nq);
-  const long long bh = r / p.nq;
+  const int nq = row_extent(p);  // varlen: the packed (Hq, total_q) rows, as one batch
+  const int i = static_cast<int>(r % nq);
+  const long long bh = r / nq;
   const int h = static_cast<int>(bh % p.hq);
   const long long b = bh / p.hq;
   T* out = static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + i * p.dq_s.n;

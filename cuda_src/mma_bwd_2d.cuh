@@ -26,14 +26,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const float* __restrict__ lse = p.lse;
   const float* __restrict__ delta = p.delta;
   float* __restrict__ dq_accum = p.dq_accum;
-  const int nq = p.nq, nk = p.nk, d = p.d, hq = p.hq, group = p.group;
+  const int d = p.d, group = p.group;
   const long long q_sb = p.q_s.b, q_sh = p.q_s.h, q_sn = p.q_s.n;
   const long long k_sb = p.k_s.b, k_sh = p.k_s.h, k_sn = p.k_s.n;
   const long long v_sb = p.v_s.b, v_sh = p.v_s.h, v_sn = p.v_s.n;
   const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
-  Policy pol(p);
   constexpr int kThreads = kWarps * 32;
   // S^T / dP^T warp tile: kSK keys (kMS strips of 16) x kSQ queries (kNS n8 tiles).
   constexpr int kSK = Bc / kSKeyWarps, kSQ = Br / (kWarps / kSKeyWarps);
@@ -64,16 +63,20 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;
+  // Sequence b's rows and lengths (dense: the whole problem); the loop re-reads them where it needs them
+  // (seq_geometry of an opaque b) instead of keeping them live, as mma_bwd_keymajor.cuh does.
+  const SeqGeometry seq = seq_geometry(p, b);
+  if (j0 >= seq.nk) return;  // past this sequence's keys (never when dense)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  const Range mt = tiles_covering(pol.mask.queries_of(j0, j0 + Bc), Br);
+  const Range mt = tiles_covering(Policy(p, seq).mask.queries_of(j0, j0 + Bc), Br);
   const int m_start = mt.begin;
   const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
 
-  const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
-  const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+  const T* gK = k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * k_sn;
+  const T* gV = v + b * v_sb + hkv * v_sh + (seq.k_row0 + j0) * v_sn;
 
   auto tile_of = [&](int it, int& hh, int& i0) {
     hh = hkv * group + it / per_head;
@@ -83,10 +86,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     int hh, i0;
     tile_of(it, hh, i0);
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
-    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + i0 * q_sn, q_sn,
-                                        nq - i0, d, tid);
-    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + i0 * do_sn,
-                                        do_sn, nq - i0, d, tid);
+    const SeqRows sq = seq_queries(p, bo);
+    const int row = sq.q_row0 + i0;
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + row * q_sn, q_sn,
+                                        sq.nq - i0, d, tid);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + row * do_sn,
+                                        do_sn, sq.nq - i0, d, tid);
   };
   auto load_stats = [&](int it, int buf) {
     int hh, i0;
@@ -94,10 +99,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     const int r = opaque(static_cast<int>(threadIdx.x));
     if (r < Br) {
       const int bo = opaque(b);
-      const int i = min(i0 + r, nq - 1);
-      const int nbytes = i0 + r < nq ? 4 : 0;
-      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
-      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(bo) * hq + hh) * nq + i, nbytes);
+      const SeqRows sq = seq_queries(p, bo);
+      const int i = min(i0 + r, sq.nq - 1);  // >= 0: a step exists only where the sequence has queries
+      const int nbytes = i0 + r < sq.nq ? 4 : 0;
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + scratch_row(p, sq, bo, hh) + i, nbytes);
     }
   };
 
@@ -112,8 +118,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 
   if (total > 0) {
-    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d, threadIdx.x);
-    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, seq.nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, seq.nk - j0, d, threadIdx.x);
     load_q_do(0, 0);
     load_stats(0, 0);
   }
@@ -173,6 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
       }
       float c = scale_log2;
+      Policy pol(p, seq_geometry(p, opaque(b)));  // per step, from lengths re-read here (see above)
       pol.score.at_head(p, b, hh);
       pol.dropout.at_head(p, b, hh);
 #pragma unroll
@@ -302,16 +309,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int m = 0; m < kMQ; ++m) ldmatrix_x4_trans(a[m], ds_a.at(sdS_u, m, ks * 16));
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
+      const int bo = opaque(b);
+      const SeqRows sq = seq_queries(p, bo);
       int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
-      const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+      const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, bo, i0, j0);
       dq_turn_wait(turn_slot, turn);
-      float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
+      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
-          if (row < nq) {
+          if (row < sq.nq) {
 #pragma unroll
             for (int n = 0; n < kNQ; ++n) {
               const int col = qc * kQD + n * 8 + (ln & 3) * 2;

@@ -17,14 +17,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   const float* __restrict__ lse = p.lse;
   const float* __restrict__ delta = p.delta;
   float* __restrict__ dq_accum = p.dq_accum;
-  const int nq = p.nq, nk = p.nk, d = p.d, hq = p.hq, group = p.group;
+  const int d = p.d, group = p.group;
   const long long q_sb = p.q_s.b, q_sh = p.q_s.h, q_sn = p.q_s.n;
   const long long k_sb = p.k_s.b, k_sh = p.k_s.h, k_sn = p.k_s.n;
   const long long v_sb = p.v_s.b, v_sh = p.v_s.h, v_sn = p.v_s.n;
   const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
-  Policy pol(p);
   constexpr int kWarps = kKeyWarps * kDSplit;
   constexpr int kThreads = kWarps * 32;
   constexpr int Bc = 16 * kKeyWarps;
@@ -56,19 +55,23 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;
+  // Sequence b's rows and lengths (dense: the whole problem). The loop's loads re-read them with their
+  // addresses (seq_geometry of an opaque b) instead of keeping them live.
+  const SeqGeometry seq = seq_geometry(p, b);
+  if (j0 >= seq.nk) return;  // past this sequence's keys (never when dense)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int kw = warp % kKeyWarps;
   const int dw = warp / kKeyWarps;
 
   // Query tiles that see any key of K_j (under causal, not those wholly above the diagonal).
-  const Range mt = tiles_covering(pol.mask.queries_of(j0, j0 + Bc), Br);
+  const Range mt = tiles_covering(Policy(p, seq).mask.queries_of(j0, j0 + Bc), Br);
   const int m_start = mt.begin;
   const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
 
-  const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
-  const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+  const T* gK = k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * k_sn;
+  const T* gV = v + b * v_sb + hkv * v_sh + (seq.k_row0 + j0) * v_sn;
 
   // Iteration it -> (query head, Q tile); its Q_i, dO_i, lse and Delta arrive in one cp.async group.
   auto tile_of = [&](int it, int& hh, int& i0) {
@@ -80,10 +83,12 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     int hh, i0;
     tile_of(it, hh, i0);
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
-    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + i0 * q_sn, q_sn,
-                                        nq - i0, d, tid);
-    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + i0 * do_sn,
-                                        do_sn, nq - i0, d, tid);
+    const SeqRows sq = seq_queries(p, bo);
+    const int row = sq.q_row0 + i0;
+    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + row * q_sn, q_sn,
+                                        sq.nq - i0, d, tid);
+    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + row * do_sn,
+                                        do_sn, sq.nq - i0, d, tid);
   };
   // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
   // Q and dO rows are zeros, so they contribute nothing whatever P is).
@@ -93,10 +98,11 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     const int r = opaque(static_cast<int>(threadIdx.x));
     if (r < Br) {
       const int bo = opaque(b);
-      const int i = min(i0 + r, nq - 1);
-      const int nbytes = i0 + r < nq ? 4 : 0;
-      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + i * lse_sn, nbytes);
-      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + (static_cast<long long>(bo) * hq + hh) * nq + i, nbytes);
+      const SeqRows sq = seq_queries(p, bo);
+      const int i = min(i0 + r, sq.nq - 1);  // >= 0: a step exists only where the sequence has queries
+      const int nbytes = i0 + r < sq.nq ? 4 : 0;
+      cp_async_4(smem_u32(sLse + buf * Br + r), lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn, nbytes);
+      cp_async_4(smem_u32(sDelta + buf * Br + r), delta + scratch_row(p, sq, bo, hh) + i, nbytes);
     }
   };
 
@@ -108,8 +114,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   }
 
   if (total > 0) {
-    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, nk - j0, d, threadIdx.x);
-    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, seq.nk - j0, d, threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, seq.nk - j0, d, threadIdx.x);
     load_q_do(0, 0);
     load_stats(0, 0);
   }
@@ -163,6 +169,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       ldmatrix_x4(a, kv_a.at(sK_u, ks));
       mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
     }
+    // The policy per step, from the sequence's lengths re-read here (kept live, they would spill).
+    Policy pol(p, seq_geometry(p, opaque(b)));
     pol.score.at_head(p, b, hh);
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     // dQ_i += dS K_j for this warp's rows and columns, straight into the f32 accumulator. (Its lane
     // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
     int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
-    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
     dq_turn_wait(turn_slot, turn);
     const int tid_dq = opaque(static_cast<int>(threadIdx.x));
     const int lane_dq = tid_dq % 32;
@@ -251,11 +259,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
-      float* gdq = dq_accum + ((static_cast<long long>(opaque(b)) * hq + hh) * nq) * d;
+      const int bo = opaque(b);
+      const SeqRows sq = seq_queries(p, bo);
+      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
-        if (row < nq) {
+        if (row < sq.nq) {
 #pragma unroll
           for (int n = 0; n < kDQ / 8; ++n) {
             const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;

@@ -32,16 +32,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const int h = tc.bh % p.hq;
   const int hk = h / p.group;
   const int q0 = (tc.n_tiles - 1 - tc.tile) * Br;  // last query tiles first: under causal, the longest
+  const SeqGeometry seq = seq_geometry(p, b);      // sequence b's rows and lengths (dense: the whole problem)
+  if (q0 >= seq.nq) return;                        // past this sequence's queries (never when dense)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  Policy pol(p);
+  Policy pol(p, seq);
   pol.score.at_head(p, b, h);
   pol.dropout.at_head(p, b, h);
   const float sink = sink_log2(p, h);
 
-  const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + q0 * p.q_s.n;
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
-  const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + (seq.q_row0 + q0) * p.q_s.n;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
 
   // Key tiles this block needs, visited from the last (on the diagonal under causal) to the first, so
   // that the partial tiles come first and the loop's tail runs unmasked.
@@ -49,15 +51,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const int n_tiles = kt.end - kt.begin;
   auto load_kv = [&](int t, int slot) {
     const int j0 = (kt.end - 1 - t) * Bc;
-    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * L::kPitch, gK + j0 * p.k_s.n, p.k_s.n, p.nk - j0, p.d,
-                                        threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * L::kPitch, gK + j0 * p.k_s.n, p.k_s.n, seq.nk - j0,
+                                        p.d, threadIdx.x);
     cp_async_commit();
-    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * L::kPitch, gV + j0 * p.v_s.n, p.v_s.n, p.nk - j0, p.d,
-                                        threadIdx.x);
+    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * L::kPitch, gV + j0 * p.v_s.n, p.v_s.n, seq.nk - j0,
+                                        p.d, threadIdx.x);
     cp_async_commit();
   };
 
-  load_tile_async<T, D, Br, kThreads>(sQ, gQ, p.q_s.n, p.nq - q0, p.d, threadIdx.x);  // rides in the first K group
+  load_tile_async<T, D, Br, kThreads>(sQ, gQ, p.q_s.n, seq.nq - q0, p.d, threadIdx.x);  // rides in the first K group
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < n_tiles) {

@@ -197,19 +197,21 @@ __device__ __forceinline__ void softmax_start(float (&m)[2], float (&l)[2], floa
 
 // The forward's epilogue for one 16-row strip of C fragments (rows row0 + g, row0 + g + 8 of this lane):
 // O = acc / l in T, lse = (m + log2 l) ln 2; rows that saw no key get 0 and -inf; rows past nq and
-// columns past d are not stored. l is this lane's partial row sum (reduced over the quad here).
+// columns past d are not stored. l is this lane's partial row sum (reduced over the quad here). Rows are
+// those of sequence b (varlen: its rows of the pack, re-read here rather than kept live through the loop).
 template <typename T, int NT>
 __device__ __forceinline__ void store_o_lse(const AttentionParams& p, int b, int h, int row0, const float (&acc)[NT][4],
                                             const float (&m)[2], const float (&l)[2]) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  T* gO = static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h;
-  float* gL = p.lse + b * p.lse_s.b + h * p.lse_s.h;
+  const SeqGeometry seq = seq_geometry(p, b);
+  T* gO = static_cast<T*>(p.o) + b * p.o_s.b + h * p.o_s.h + seq.q_row0 * p.o_s.n;
+  float* gL = p.lse + b * p.lse_s.b + h * p.lse_s.h + seq.q_row0 * p.lse_s.n;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float sum = quad_sum(l[hh]);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int row = row0 + (lane >> 2) + hh * 8;
-    if (row < p.nq) {
+    if (row < seq.nq) {
       T* orow = gO + row * p.o_s.n;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -222,17 +224,20 @@ __device__ __forceinline__ void store_o_lse(const AttentionParams& p, int b, int
 }
 
 // The backward's epilogue for one 16-key strip: dV_j and scale * dK_j in T, columns col0 + 8n + 2t, +1 of
-// keys key0 + g, key0 + g + 8. Keys past nk are not stored; keys no query sees get zeros.
+// keys key0 + g, key0 + g + 8. Keys past nk are not stored; keys no query sees get zeros. Keys are those of
+// sequence b (varlen: its rows of the pack, its first seqused_k[b]).
 template <typename T, int NT>
 __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, int b, int hkv, int key0, int col0,
                                             const float (&acc_dk)[NT][4], const float (&acc_dv)[NT][4]) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
+  const SeqGeometry seq = seq_geometry(p, b);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int key = key0 + (lane >> 2) + hf * 8;
-    if (key < p.nk) {
-      T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hkv * p.dv_s.h + key * p.dv_s.n;
-      T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hkv * p.dk_s.h + key * p.dk_s.n;
+    if (key < seq.nk) {
+      const long long krow = static_cast<long long>(seq.k_row0) + key;
+      T* dv_row = static_cast<T*>(p.dv) + b * p.dv_s.b + hkv * p.dv_s.h + krow * p.dv_s.n;
+      T* dk_row = static_cast<T*>(p.dk) + b * p.dk_s.b + hkv * p.dk_s.h + krow * p.dk_s.n;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int col = col0 + n * 8 + (lane & 3) * 2;
@@ -253,10 +258,11 @@ template <int Br>
 __device__ __forceinline__ void load_row_stats_async(const AttentionParams& p, float* s_lse, float* s_delta, int b,
                                                      int h, int i0, int tid) {
   if (tid < Br) {
-    const int i = min(i0 + tid, p.nq - 1);
-    const int nbytes = i0 + tid < p.nq ? 4 : 0;
-    cp_async_4(smem_u32(s_lse + tid), p.lse + b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n, nbytes);
-    cp_async_4(smem_u32(s_delta + tid), p.delta + (static_cast<long long>(b) * p.hq + h) * p.nq + i, nbytes);
+    const SeqGeometry seq = seq_geometry(p, b);
+    const int i = max(min(i0 + tid, seq.nq - 1), 0);
+    const int nbytes = i0 + tid < seq.nq ? 4 : 0;
+    cp_async_4(smem_u32(s_lse + tid), p.lse + b * p.lse_s.b + h * p.lse_s.h + (seq.q_row0 + i) * p.lse_s.n, nbytes);
+    cp_async_4(smem_u32(s_delta + tid), p.delta + scratch_row(p, seq, b, h) + i, nbytes);
   }
 }
 
@@ -266,11 +272,12 @@ __device__ __forceinline__ void load_row_stats_async(const AttentionParams& p, f
 template <int NT>
 __device__ __forceinline__ void red_add_dq(const AttentionParams& p, int b, int h, int row0, int col0,
                                            const float (&acc)[NT][4], int lane) {
-  float* gdq = p.dq_accum + ((static_cast<long long>(b) * p.hq + h) * p.nq) * p.d;
+  const SeqGeometry seq = seq_geometry(p, b);
+  float* gdq = p.dq_accum + scratch_row(p, seq, b, h) * p.d;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int row = row0 + (lane >> 2) + hf * 8;
-    if (row < p.nq) {
+    if (row < seq.nq) {
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int col = col0 + n * 8 + (lane & 3) * 2;

@@ -29,14 +29,13 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   const float* __restrict__ lse = p.lse;
   const float* __restrict__ delta = p.delta;
   float* __restrict__ dq_accum = p.dq_accum;
-  const int nq = p.nq, nk = p.nk, d = p.d, hq = p.hq, group = p.group;
+  const int d = p.d, group = p.group;
   const long long q_sb = p.q_s.b, q_sh = p.q_s.h, q_sn = p.q_s.n;
   const long long k_sb = p.k_s.b, k_sh = p.k_s.h, k_sn = p.k_s.n;
   const long long v_sb = p.v_s.b, v_sh = p.v_s.h, v_sn = p.v_s.n;
   const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
-  Policy pol(p);
   constexpr int kThreads = kWG * 128;
   constexpr int Bc = 64 * kWG;
   constexpr int kSlabs = D / 64;  // 64-column slabs of a Q/K/V/dO tile
@@ -71,12 +70,16 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;
+  // Sequence b's rows and lengths (dense: the whole problem); the loop re-reads them where it needs them
+  // (seq_geometry of an opaque b) instead of keeping them live.
+  const SeqGeometry seq = seq_geometry(p, b);
+  if (j0 >= seq.nk) return;  // past this sequence's keys (never when dense)
   const int wg = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
 
   // Query tiles that see any key of K_j (under causal, not those wholly above the diagonal).
-  const Range mt = tiles_covering(pol.mask.queries_of(j0, j0 + Bc), Br);
+  const Range mt = tiles_covering(Policy(p, seq).mask.queries_of(j0, j0 + Bc), Br);
   const int m_start = mt.begin;
   const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
@@ -91,8 +94,10 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     int hh, i0;
     tile_of(it, hh, i0);
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
-    const T* gQ = q + bo * q_sb + hh * q_sh + i0 * q_sn;
-    const T* gdO = dout + bo * do_sb + hh * do_sh + i0 * do_sn;
+    const SeqRows sq = seq_queries(p, bo);
+    const int nq = sq.nq, row = sq.q_row0 + i0;
+    const T* gQ = q + bo * q_sb + hh * q_sh + row * q_sn;
+    const T* gdO = dout + bo * do_sb + hh * do_sh + row * do_sn;
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl) {
       load_tile_async<T, 64, Br, kThreads>(sQ + (buf * kSlabs + sl) * Br * 64, gQ + 64 * sl, q_sn, nq - i0,
@@ -102,10 +107,10 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     }
     if (tid < 2 * Br) {
       const int r = tid % Br;
-      const int i = min(i0 + r, nq - 1);
+      const int i = min(i0 + r, nq - 1);  // >= 0: a step exists only where the sequence has queries
       const int nbytes = i0 + r < nq ? 4 : 0;
-      const float* src = tid < Br ? lse + bo * lse_sb + hh * lse_sh + i * lse_sn
-                                  : delta + (static_cast<long long>(bo) * hq + hh) * nq + i;
+      const float* src = tid < Br ? lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn
+                                  : delta + scratch_row(p, sq, bo, hh) + i;
       cp_async_4(smem_u32(sStat + buf * 2 * Br + tid), src, nbytes);
     }
   };
@@ -118,12 +123,14 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   }
 
   if (total > 0) {
-    const T* gK = k + b * k_sb + hkv * k_sh + j0 * k_sn;
-    const T* gV = v + b * v_sb + hkv * v_sh + j0 * v_sn;
+    const T* gK = k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * k_sn;
+    const T* gV = v + b * v_sb + hkv * v_sh + (seq.k_row0 + j0) * v_sn;
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl) {
-      load_tile_async<T, 64, Bc, kThreads>(sK + sl * Bc * 64, gK + 64 * sl, k_sn, nk - j0, d - 64 * sl, threadIdx.x);
-      load_tile_async<T, 64, Bc, kThreads>(sV + sl * Bc * 64, gV + 64 * sl, v_sn, nk - j0, d - 64 * sl, threadIdx.x);
+      load_tile_async<T, 64, Bc, kThreads>(sK + sl * Bc * 64, gK + 64 * sl, k_sn, seq.nk - j0, d - 64 * sl,
+                                           threadIdx.x);
+      load_tile_async<T, 64, Bc, kThreads>(sV + sl * Bc * 64, gV + 64 * sl, v_sn, seq.nk - j0, d - 64 * sl,
+                                           threadIdx.x);
     }
     load_step(0, 0);
   }
@@ -182,6 +189,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     const int quad2 = (lane & 3) * 2;  // this lane's query pair inside each n8 tile
     const float* lse_b = sStat + buf * 2 * Br + quad2;
     const float* delta_b = lse_b + Br;
+    Policy pol(p, seq_geometry(p, opaque(b)));  // per step, from lengths re-read here (see above)
     pol.score.at_head(p, b, hh);
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
@@ -265,10 +273,13 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(pt);
     wgmma::fence_operands(dst);
     int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
-    const int turn = dq_turn_of<Br, Bc>(pol.mask, i0, j0);
+    const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
     dq_turn_wait(turn_slot, turn);
     {
-      float* gdq = dq_accum + ((static_cast<long long>(b) * hq + hh) * nq) * d;
+      const int bo = opaque(b);
+      const SeqRows sq = seq_queries(p, bo);
+      const int nq = sq.nq;
+      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
       const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
       const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
 #pragma unroll

@@ -41,15 +41,17 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   const int h = tc.bh % p.hq;
   const int hk = h / p.group;
   const int q0 = (tc.n_tiles - 1 - tc.tile) * Br;
+  const SeqGeometry seq = seq_geometry(p, b);  // sequence b's rows and lengths (dense: the whole problem)
+  if (q0 >= seq.nq) return;                    // past this sequence's queries (never when dense)
   const int wg = threadIdx.x / 128;
   const int warp = (threadIdx.x / 32) % 4;
-  Policy pol(p);
+  Policy pol(p, seq);
   pol.score.at_head(p, b, h);
   pol.dropout.at_head(p, b, h);
 
-  const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + q0 * p.q_s.n;
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h;
-  const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h;
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + (seq.q_row0 + q0) * p.q_s.n;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
 
   // Key tiles from the last to the first (see mma_forward.cu).
   const Range kt = tiles_covering(pol.mask.keys_of(q0, q0 + Br), Bc);
@@ -60,16 +62,17 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl) {
       load_tile_async<T, 64, Bc, kThreads>(sK + (slot * kSlabs + sl) * Bc * 64, gK + j0 * p.k_s.n + 64 * sl, p.k_s.n,
-                                           p.nk - j0, p.d - 64 * sl, threadIdx.x);
+                                           seq.nk - j0, p.d - 64 * sl, threadIdx.x);
       load_tile_async<T, 64, Bc, kThreads>(sV + (slot * kSlabs + sl) * Bc * 64, gV + j0 * p.v_s.n + 64 * sl, p.v_s.n,
-                                           p.nk - j0, p.d - 64 * sl, threadIdx.x);
+                                           seq.nk - j0, p.d - 64 * sl, threadIdx.x);
     }
     cp_async_commit();
   };
 
 #pragma unroll
   for (int sl = 0; sl < kSlabs; ++sl) {
-    load_tile_async<T, 64, Br, kThreads>(sQ + sl * Br * 64, gQ + 64 * sl, p.q_s.n, p.nq - q0, p.d - 64 * sl, threadIdx.x);
+    load_tile_async<T, 64, Br, kThreads>(sQ + sl * Br * 64, gQ + 64 * sl, p.q_s.n, seq.nq - q0, p.d - 64 * sl,
+                                         threadIdx.x);
   }
   if (n_tiles > 0) {
     load_kv(0, 0);  // Q_i rides in the first group

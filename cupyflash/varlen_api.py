@@ -8,8 +8,7 @@ sequence (its ``Nq_b``, ``Nk_b``), and an empty sequence is allowed.
 
 The array type picks the backend as elsewhere: NumPy arrays run FlashAttention's tiled algorithm in
 float64 NumPy per sequence and round once to the input dtype; CuPy arrays run the CUDA kernels
-(``varlen_cuda``: one launch per pass for the whole pack; the portable family so far, the tensor-core
-families say why not).
+(``varlen_cuda``: one launch per pass for the whole pack, in every kernel family).
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import varlen_reference
-from .api import NUMPY_BLOCK, _check_kernel, _numpy_kernel
+from .api import NUMPY_BLOCK, _check_kernel, _is_cupy, _numpy_kernel
 from .varlen_validation import check_varlen, check_varlen_backward
 
 
@@ -56,8 +55,8 @@ def attention_varlen_forward(
         sinks: float32 ``(Hq,)``: a learnable logit per head in every row's softmax denominator.
         seqused_k: optional int32 ``(B,)``: only the first ``seqused_k[b]`` keys of sequence b are used
             (``Nk_b = seqused_k[b]``; a KV cache with room to spare). The others are never read.
-        kernel: ``"auto"``, ``"wgmma"``, ``"mma"`` or ``"portable"`` as in ``attention_forward`` (packed
-            batches run on the portable family for now; naming another raises ``TypeError`` with why).
+        kernel: ``"auto"``, ``"wgmma"``, ``"mma"`` or ``"portable"`` as in ``attention_forward`` (every
+            family runs packed batches; one that cannot run the call raises ``TypeError`` with why).
         validate: check the values of cu_seqlens, seqused_k and max_seqlen_* on the device first (one
             synchronisation; for debugging) and raise ``ValueError`` naming what is wrong. The NumPy
             backend always checks them (it reads them anyway).
@@ -71,13 +70,13 @@ def attention_varlen_forward(
     _check_kernel(kernel)
     _check_validate(validate)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
-                     seqused_k=seqused_k, **variant)  # fmt: skip
-    if p.xp == "cupy":
+    if _is_cupy(q):  # checked there, once per call signature
         from . import varlen_cuda
 
-        return varlen_cuda.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernel, bool(validate), alibi_slopes,
-                                   sinks, seqused_k)  # fmt: skip
+        return varlen_cuda.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                   kernel, bool(validate), seqused_k, **variant)  # fmt: skip
+    p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+                     seqused_k=seqused_k, **variant)  # fmt: skip
     _numpy_kernel(kernel)
     o, lse = varlen_reference.tiled_attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale, NUMPY_BLOCK,
@@ -111,13 +110,13 @@ def attention_varlen_backward(
     _check_kernel(kernel)
     _check_validate(validate)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-    p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              causal=causal, scale=scale, seqused_k=seqused_k, **variant)  # fmt: skip
-    if p.xp == "cupy":
+    if _is_cupy(q):  # checked there, once per call signature
         from . import varlen_cuda
 
-        return varlen_cuda.backward(p, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, kernel, bool(validate),
-                                    alibi_slopes, sinks, seqused_k)  # fmt: skip
+        return varlen_cuda.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    causal, scale, kernel, bool(validate), seqused_k, **variant)  # fmt: skip
+    p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal=causal, scale=scale, seqused_k=seqused_k, **variant)  # fmt: skip
     _numpy_kernel(kernel)
     grads = varlen_reference.tiled_attention_varlen_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale,

@@ -7,19 +7,24 @@ the packed arrays are seen as (B, H, total, D) views with a batch stride of 0. E
 ``cu_seqlens``, exits at once past the sequence's end, and builds its mask from the sequence's own nq, nk;
 the rows are clipped on the device, so no value of cu_seqlens reaches outside the arrays. Nothing here
 reads cu_seqlens on the host (``validate=True`` does, with one synchronisation).
+
+As for dense calls (cuda_backend), the checks, the family choice, the views and the launch plans depend only
+on a call's signature and are cached by it: a repeated call costs a dictionary lookup, its output
+allocations and one driver call per launch.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from .cuda_backend import _key_of
 from .kernels import dispatch
-from .kernels.family import Geometry, run
+from .kernels.family import CallPlan, Geometry, run
 from .plans import DeviceLimits
 from .validation import AttentionProblem
-from .varlen_validation import VarlenProblem, check_varlen_values
+from .varlen_validation import VarlenProblem, check_varlen, check_varlen_backward, check_varlen_values
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -74,50 +79,96 @@ def _no_launch(vp: VarlenProblem) -> bool:
     return vp.total_q == 0 or vp.total_k == 0 or vp.max_seqlen_q == 0 or vp.max_seqlen_k == 0
 
 
-def forward(vp: VarlenProblem, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, kernel: str,
-            validate: bool, alibi_slopes: Any, sinks: Any, seqused_k: Any) -> tuple[Any, Any]:  # fmt: skip
+class _Prepared:
+    """A checked signature: the varlen problem, the views of its arrays and its launch plan (None: no launch)."""
+
+    __slots__ = ("vp", "geometry", "plan")
+
+    def __init__(self, vp: VarlenProblem, geometry: Geometry, plan: CallPlan | None):
+        self.vp, self.geometry, self.plan = vp, geometry, plan
+
+
+_forward_cache: dict[tuple, _Prepared] = {}
+_backward_cache: dict[tuple, _Prepared] = {}
+
+
+def _signature(kernel: str, arrays: tuple, scalars: tuple) -> tuple | None:
+    """The cache key of a call: everything the checks and plans read (as cuda_backend keys dense calls), or
+    None when an array is not a CuPy array (the checks then say what is wrong; nothing is cached)."""
     import cupy
 
-    if validate:
-        check_varlen_values(cupy, vp, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    if not all(x is None or isinstance(x, cupy.ndarray) for x in arrays):
+        return None
+    return (kernel, cupy.cuda.runtime.getDevice(), *(_key_of(x) for x in arrays), *(_key_of(x) for x in scalars))
+
+
+def _prepare(vp: VarlenProblem, kernel: str, packed: dict[str, Any], lse: Any, alibi: Any,
+             make_plan: Callable[[Any, AttentionProblem, Geometry, DeviceLimits], CallPlan]) -> _Prepared:  # fmt: skip
     p = _kernel_problem(vp)
     limits = DeviceLimits.current()
-    q, k, v = (_readable(x) for x in (q, k, v))
-    o = cupy.empty(q.shape, dtype=p.dtype)
-    lse = cupy.empty((p.hq, vp.total_q), dtype=_FLOAT32)
-    packed = {"q": q, "k": k, "v": v, "o": o}
-    g = _geometry(vp, packed, lse, alibi_slopes)
+    g = _geometry(vp, packed, lse, alibi)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is launched
-    if _no_launch(vp):  # every row sees no key: o = 0, lse = its sink (or -inf)
+    return _Prepared(vp, g, None if _no_launch(vp) else make_plan(family, p, g, limits))
+
+
+def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+            causal: Any, scale: Any, kernel: str, validate: bool, seqused_k: Any = None, window_size: Any = None,
+            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    import cupy
+
+    key = _signature(kernel, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
+                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap))  # fmt: skip
+    prep = None if key is None else _forward_cache.get(key)
+    vp = prep.vp if prep is not None else check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k)
+    if validate:
+        check_varlen_values(cupy, vp, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    q, k, v = (_readable(x) for x in (q, k, v))
+    o = cupy.empty(q.shape, dtype=vp.dense.dtype)
+    lse = cupy.empty((vp.dense.hq, vp.total_q), dtype=_FLOAT32)
+    packed = {"q": q, "k": k, "v": v, "o": o}
+    if prep is None:
+        prep = _prepare(vp, kernel, packed, lse, alibi_slopes, lambda f, p, g, lim: f.forward_plan(p, g, lim))
+        if key is not None:
+            _forward_cache[key] = prep
+    if prep.plan is None:  # every row sees no key: o = 0, lse = its sink (or -inf)
         o.fill(0)
         lse[...] = -np.inf if sinks is None else sinks.reshape(-1, 1)
         return o, lse
-    arrays = {**packed, "lse": lse}
-    run(family.forward_plan(p, g, limits), g,
-        _pointers(arrays, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
+    run(prep.plan, prep.geometry,
+        _pointers({**packed, "lse": lse}, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
     return o, lse
 
 
-def backward(vp: VarlenProblem, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any,
-             cu_seqlens_k: Any, kernel: str, validate: bool, alibi_slopes: Any, sinks: Any,
-             seqused_k: Any) -> tuple[Any, ...]:  # fmt: skip
+def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+             max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, scale: Any, kernel: str, validate: bool,
+             seqused_k: Any = None, window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None,
+             sinks: Any = None) -> tuple[Any, ...]:  # fmt: skip
     import cupy
 
+    key = _signature(kernel, (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
+                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap))  # fmt: skip
+    prep = None if key is None else _backward_cache.get(key)
+    vp = prep.vp if prep is not None else check_varlen_backward(
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k)
     if validate:
         check_varlen_values(cupy, vp, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    p = _kernel_problem(vp)
-    limits = DeviceLimits.current()
+    dtype, hq = vp.dense.dtype, vp.dense.hq
     do, q, k, v, o = (_readable(x) for x in (do, q, k, v, o))
-    dq = cupy.empty(q.shape, dtype=p.dtype)
+    dq = cupy.empty(q.shape, dtype=dtype)
     # Keys past seqused_k[b] belong to no problem: no kernel writes them, so they start at 0.
-    dk = (cupy.empty if seqused_k is None else cupy.zeros)(k.shape, dtype=p.dtype)
-    dv = (cupy.empty if seqused_k is None else cupy.zeros)(v.shape, dtype=p.dtype)
-    dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
+    dk = (cupy.empty if seqused_k is None else cupy.zeros)(k.shape, dtype=dtype)
+    dv = (cupy.empty if seqused_k is None else cupy.zeros)(v.shape, dtype=dtype)
+    dsinks = None if sinks is None else cupy.zeros((hq,), dtype=_FLOAT32)
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
     packed = {"dout": do, "q": q, "k": k, "v": v, "o": o, "dq": dq, "dk": dk, "dv": dv}
-    g = _geometry(vp, packed, lse, alibi_slopes)
-    family = dispatch.select(p, limits, kernel, g.aligned)
-    if _no_launch(vp):  # no row sees a key: zero gradients; a sink alone takes every row (P_sink = exp(s - lse))
+    if prep is None:
+        prep = _prepare(vp, kernel, packed, lse, alibi_slopes, lambda f, p, g, lim: f.backward_plan(p, g, lim))
+        if key is not None:
+            _backward_cache[key] = prep
+    if prep.plan is None:  # no row sees a key: zero gradients; a sink alone takes every row (P_sink = exp(s - lse))
         for x in (dq, dk, dv):
             x.fill(0)
         if dsinks is not None and vp.total_q:
@@ -125,7 +176,7 @@ def backward(vp: VarlenProblem, do: Any, q: Any, k: Any, v: Any, o: Any, lse: An
             share = cupy.where(cupy.isfinite(lse), cupy.exp(sinks.reshape(-1, 1) - lse), 0)
             dsinks[...] = -(share * delta).sum(axis=1)
         return grads
-    run(family.backward_plan(p, g, limits), g,
+    run(prep.plan, prep.geometry,
         _pointers({**packed, "lse": lse, **({"dsinks": dsinks} if dsinks is not None else {})}, cu_seqlens_q,
                   cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
     return grads

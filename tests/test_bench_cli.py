@@ -761,3 +761,57 @@ def test_dropout_and_masks_calls_run_on_the_numpy_backend(rng):
             call, context, _ = (dropout if r.kind == "dropout" else masks).make(r, impl, x)
             with context():
                 call()
+# ---------------------------------------------------------------------------- varlen suite
+
+
+def test_varlen_suite_lists_its_rows_without_a_gpu(capsys):
+    from cupyflash.bench.varlen import LENGTHS, causal_pairs, dense_length
+
+    o = bench.parse_args(["--suite", "varlen"], has_torch=False)
+    assert [(s.b, s.h, s.n, s.d, s.causal, s.dtype) for s in o.shapes] == [
+        (1, 32, 16384, 64, True, "bfloat16"), (1, 16, 16384, 128, True, "bfloat16")]
+    assert sum(LENGTHS) == 16384 and max(LENGTHS) >= 8000 and sum(n <= 512 for n in LENGTHS) >= 8
+    assert all(n % 16 for n in LENGTHS if n != 64)  # multiples of no tile (but one)
+    assert abs(dense_length(LENGTHS) ** 2 / 2 - causal_pairs(LENGTHS)) < dense_length(LENGTHS)
+    assert bench.main(["--suite", "varlen", "--list", "--compare", "none", "--d", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "real work" in out and "SDPA" not in out and len(out.strip().splitlines()) == 3
+    gflop = 4 * 16 * 128 * causal_pairs(LENGTHS) / 1e9
+    assert f"D=128 tokens=16384 docs={len(LENGTHS)} fwd: {gflop:.1f} GFLOP" in out
+    with pytest.raises(SystemExit):  # its rows have their own table: it runs alone
+        bench.parse_args(["--suite", "varlen,grid"], has_torch=False)
+
+
+def test_run_varlen_records_and_table_without_a_gpu(monkeypatch):
+    """run_varlen's record flow with the GPU parts replaced, then the table's ratios: packed at 300 TFLOP/s of
+    real work, dense same work at 320, padded 4x packed's time, SDPA missing."""
+    from cupyflash.bench import device, varlen
+
+    times = {"packed": 1.0, "dense same work": 300 / 320, "padded": 4.0}
+    monkeypatch.setattr(varlen, "_inputs", lambda shape, seed: {})
+    monkeypatch.setattr(varlen, "_packed", lambda p, x: "packed")
+    monkeypatch.setattr(varlen, "_dense", lambda p, shape, b, n, seed: "padded" if b > 1 else "dense same work")
+    monkeypatch.setattr(varlen.timing, "CupyClock", lambda: None)
+    monkeypatch.setattr(device, "free_device_memory", lambda: None)
+    rows = varlen.plan_rows(bench.parse_args(["--suite", "varlen", "--d", "64"], has_torch=False).shapes,
+                            ("fwd", "bwd"))  # fmt: skip
+    unit = {r.pass_: r.flops / 300e12 * 1e3 for r in rows}  # packed's ms at 300 TFLOP/s
+    state = {}
+
+    def fake_median(call, clock, context):
+        return times[call] * unit[state["pass"]], 50
+
+    monkeypatch.setattr(varlen, "median_ms", fake_median)
+    recs = []
+    for r in rows:
+        state["pass"] = r.pass_
+        recs += varlen.run_varlen([r], False, None, 0, ENV, lambda m: None)
+    assert [(r.pass_, r.impl, r.status) for r in recs] == [
+        (p, i, "n/a" if i == "sdpa-nested" else "ok") for p in ("fwd", "bwd") for i in varlen.IMPLS]
+    lines = varlen.format_varlen_table(recs).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:4]]
+    assert cells[0][:2] == ["bfloat16 H=32 D=64", "fwd"] and cells[1][1] == "bwd"
+    for c in cells:
+        assert c[6:] == ["300.0", "0.94x", "4.00x", "-"]
+        assert c[5] == "n/a"
+    assert any(line.startswith("- sdpa-nested n/a: no torch comparison") for line in lines)

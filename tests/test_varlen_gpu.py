@@ -9,9 +9,7 @@ Outputs are poisoned through the memory pool: before each call, NaN-filled array
 allocated and freed, so the pool hands those very blocks to the kernels' outputs; a row a kernel forgets to
 write stays NaN and fails the finiteness checks.
 
-The portable family runs packed batches; the tensor-core families refuse them with a reason (TypeError) until
-their kernels go through ``seq_geometry`` too, so their cases are strict xfails on that TypeError (add the family
-to ``VARLEN_FAMILIES`` with its kernels; a strict xfail that passes fails, so this cannot be forgotten).
+Every family (portable, mma, wgmma) runs packed batches, forward and backward, through ``seq_geometry``.
 """
 from __future__ import annotations
 
@@ -27,22 +25,6 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 
 if HAS_GPU:
     import cupy
-
-#: The families whose kernels run packed batches (issue 14); the others' cases are strict xfails.
-VARLEN_FAMILIES = ("portable",)
-
-
-def _pending(kernel):
-    return pytest.mark.xfail(kernel not in VARLEN_FAMILIES, raises=TypeError, strict=True,
-                             reason=f"the {kernel} family does not run varlen batches yet (issue 14)")  # fmt: skip
-
-
-def varlen_family_cases():
-    out = []
-    for fcase in family_cases():
-        (kernel, dtype_name), marks = (fcase.values, fcase.marks) if hasattr(fcase, "values") else (fcase, ())
-        out.append(pytest.param(kernel, dtype_name, marks=(*marks, _pending(kernel))))
-    return out
 
 #: Head dim per family (mma/wgmma need D % 8 == 0, wgmma 32 < D <= 128), rotated over the cases.
 FAMILY_DIMS = {"portable": [40, 64, 128], "mma": [64, 96, 128], "wgmma": [64, 128]}
@@ -72,7 +54,7 @@ def case_params():
         dims = FAMILY_DIMS[kernel]
         for i, case in enumerate(CASES):
             d = dims[(i + f) % len(dims)]
-            out.append(pytest.param(kernel, dtype_name, case, d, marks=(*marks, _pending(kernel)),
+            out.append(pytest.param(kernel, dtype_name, case, d, marks=marks,
                                     id=f"{kernel}-{dtype_name}-{case[0]}-d{d}"))  # fmt: skip
     return out
 
@@ -204,7 +186,7 @@ def test_varlen(kernel, dtype_name, case, d, rng):
     check_pack(kernel, dtype_name, q, k, v, do, packing, causal, scale, kw)
 
 
-@pytest.mark.parametrize("kernel,dtype_name", varlen_family_cases())
+@pytest.mark.parametrize("kernel,dtype_name", family_cases())
 def test_strided_views_seqused_k_and_vjp(kernel, dtype_name, rng):
     """q/k/v as strided views (every other head of a wider array), seqused_k, every variant, through the vjp."""
     case = ("strided", [70, 3, 200], [90, 40, 220], 4, 2, dict(window=(40, 3), softcap=30.0, alibi="seq", sinks=True))
@@ -227,7 +209,7 @@ def test_strided_views_seqused_k_and_vjp(kernel, dtype_name, rng):
     assert not grads[1].get()[unused].any() and not grads[2].get()[unused].any()
 
 
-@pytest.mark.parametrize("kernel,dtype_name", varlen_family_cases())
+@pytest.mark.parametrize("kernel,dtype_name", family_cases())
 def test_wrong_cu_seqlens_stay_inside_the_arrays(kernel, dtype_name, rng):
     """Values that break the contract (past total, negative, decreasing, longer than max_seqlen) must not fault:
     the device clips every sequence to [0, total) and to max_seqlen (run this file under compute-sanitizer to
@@ -298,18 +280,11 @@ def test_validate_passes_a_good_pack(rng):
     assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
 
 
-def test_tensor_core_families_say_why_not(rng):
-    (q, k, v), pk = _small(rng)
-    q, k, v = (x.astype(cupy.float16) for x in (q, k, v))
-    with pytest.raises(TypeError, match="does not run packed varlen batches yet"):
-        cupyflash.attention_varlen_forward(q, k, v, *pk, kernel="mma")
-
-
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("kernel,dtype_name", family_cases())
 @pytest.mark.parametrize("causal", [False, True])
-def test_equal_lengths_match_the_dense_kernel(dtype_name, causal, rng):
-    """A pack of equal sequences is a dense batch: the portable kernels give the dense call's o and lse bit for bit
-    (same tiles, same order of operations), and its gradients up to the dQ atomics' order."""
+def test_equal_lengths_match_the_dense_kernel(kernel, dtype_name, causal, rng):
+    """A pack of equal sequences is a dense batch: each family's kernels give the dense call's o and lse bit for
+    bit (same tiles, same order of operations), and its gradients up to the dQ atomics' order."""
     b, n, hq, hk, d = 3, 100, 4, 2, 64
     dt = DTYPES[dtype_name]
     q = cupy.asarray(rng.standard_normal((b * n, hq, d)).astype(dt))
@@ -317,14 +292,14 @@ def test_equal_lengths_match_the_dense_kernel(dtype_name, causal, rng):
     v = cupy.asarray(rng.standard_normal((b * n, hk, d)).astype(dt))
     do = cupy.asarray(rng.standard_normal((b * n, hq, d)).astype(dt))
     cu_q = cupy.asarray(cu([n] * b))
-    o, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_q, n, n, causal, kernel="portable")
+    o, lse = cupyflash.attention_varlen_forward(q, k, v, cu_q, cu_q, n, n, causal, kernel=kernel)
     dense = lambda x: x.reshape(b, n, *x.shape[1:]).transpose(0, 2, 1, 3)  # noqa: E731 - a strided view
-    o_d, lse_d = cupyflash.attention_forward(dense(q), dense(k), dense(v), causal, kernel="portable")
+    o_d, lse_d = cupyflash.attention_forward(dense(q), dense(k), dense(v), causal, kernel=kernel)
     np.testing.assert_array_equal(dense(o).get(), o_d.get())
     np.testing.assert_array_equal(lse.get(), lse_d.get().transpose(1, 0, 2).reshape(hq, b * n))
-    grads = cupyflash.attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_q, n, n, causal, kernel="portable")
+    grads = cupyflash.attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_q, n, n, causal, kernel=kernel)
     grads_d = cupyflash.attention_backward(dense(do), dense(q), dense(k), dense(v), o_d, lse_d, causal,
-                                           kernel="portable")  # fmt: skip
+                                           kernel=kernel)  # fmt: skip
     # dk, dv: the same sums in the same order; dq: float32 atomics, whose order differs run to run
     for name, g, g_d in zip(("dq", "dk", "dv"), grads, grads_d):
         err = rel_err(dense(g).get(), g_d.get().astype(np.float64))

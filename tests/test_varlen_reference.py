@@ -404,5 +404,34 @@ def test_portable_plans_size_rows_by_the_packed_rows(rng):
     assert {s.field: s.size for s in bwd.scratch} == {"lse_log2": hq * 43, "delta": hq * 43, "dq_accum": hq * 43 * d}
     delta_launch = bwd.launches[0][0]
     assert delta_launch.grid[0] * 8 >= hq * 43 > (delta_launch.grid[0] - 1) * 8  # one warp per packed row
+
+
+
+def test_tensor_core_plans_size_rows_by_the_packed_rows(rng):
+    """The mma and wgmma backwards: Delta and the dQ conversion run one warp per packed row, the scratch holds
+    Hq * total_q rows, and the main grids cover (tiles of max_seqlen, sequences x heads)."""
+    from cupyflash.kernels import mma, wgmma
+    from cupyflash.kernels.family import Geometry
+    from cupyflash.kernels.params import PARAMS
+    from cupyflash.plans import DeviceLimits
+
+    from dataclasses import replace
+
+    vp, p = _kernel_problem(rng, np.float16)
+    p = replace(p, d=64)  # a head dim both families take
+    hq, d = p.hq, p.d
+    strides = {n: (0, d, 2 * d) for n in ("q", "k", "v", "dk", "dv")}
+    strides.update({n: (0, d, hq * d) for n in ("o", "dout", "dq")}, lse=(0, p.total_q, 1), alibi=(hq, 1, 0))
+    g = Geometry(4, strides, ({},), True)
+    limits = DeviceLimits(90, 132, 227 * 1024)
     for fam in (mma, wgmma):
-        assert "varlen" in fam.supports(p, limits)
+        assert fam.supports(p, limits) is None
+        bwd = fam.backward_plan(p, g, limits)
+        assert {s.field: s.size for s in bwd.scratch} == {"delta": hq * 43, "dq_accum": hq * 43 * d}
+        (delta, raw), (main, _), (convert, _) = bwd.launches
+        assert delta.grid == convert.grid and delta.grid[0] * 8 >= hq * 43 > (delta.grid[0] - 1) * 8
+        rec = np.frombuffer(raw, PARAMS)[0]
+        assert (rec["rows"], rec["total_q"], rec["total_k"], rec["nq"], rec["nk"]) == (hq * 43, 43, 49, 37, 41)
+        assert 4 * p.hk in main.grid[:2]  # sequences x kv heads on one axis, key tiles on the other
+        (fwd, _), = fam.forward_plan(p, g, limits).launches
+        assert 4 * hq in fwd.grid[:2]

@@ -22,6 +22,7 @@ from .shapes import (
     overhead_shapes,
     quick_shapes,
     variants_shapes,
+    varlen_shapes,
 )
 
 # ---------------------------------------------------------------------------- arguments
@@ -35,8 +36,9 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "variants": variants_shapes,  # window, softcap, ALiBi, sinks against plain and Flex (bench/variants.py); alone
     "dropout": dropout_shapes,  # deterministic backward, dropout vs SDPA FLASH (bench/dropout.py); alone
     "masks": masks_shapes,  # bias (with its gradient) and bool mask vs SDPA EFFICIENT (bench/masks.py); alone
+    "varlen": varlen_shapes,  # a packed batch against dense, padding and nested SDPA (bench/varlen.py); alone
 }
-ALONE_SUITES = ("overhead", "variants", "dropout", "masks")  # their rows are not the TFLOP/s table's
+ALONE_SUITES = ("overhead", "variants", "dropout", "masks", "varlen")  # their rows are not the TFLOP/s table's
 #: Suites whose rows time other passes than fwd and bwd (--passes picks among these).
 SUITE_PASSES = {"dropout": ("bwd", "fwd+bwd"), "masks": ("fwd", "fwd+bwd")}
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
@@ -100,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         "filter; --compare none leaves Flex out). dropout (alone): bf16 deterministic backward against the default per "
         "family (--passes bwd; --kernels picks families) and dropout 0.1 forward+backward against ours without "
         "dropout and SDPA FLASH (--passes fwd+bwd). masks (alone): bias with its gradient and a bool mask against "
-        "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd)",
+        "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd). varlen (alone): a packed bf16 causal batch of long-tailed "
+        "documents against our dense kernel at the same work, padding to the longest and SDPA on nested tensors "
+        "(--d, --passes filter; --compare none leaves SDPA out)",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -305,6 +309,10 @@ def is_variants(opts: Options) -> bool:
     return opts.suites == ("variants",)
 
 
+def is_varlen(opts: Options) -> bool:
+    return opts.suites == ("varlen",)
+
+
 def is_dropout(opts: Options) -> bool:
     return opts.suites == ("dropout",)
 
@@ -327,6 +335,11 @@ def paired_rows(opts: Options) -> list:
 
 
 def format_plan(opts: Options) -> str:
+    if is_varlen(opts):
+        from .varlen import format_plan as varlen_plan
+        from .varlen import plan_rows as varlen_rows
+
+        return varlen_plan(varlen_rows(opts.shapes, opts.passes), overhead_uses_sdpa(opts))
     if is_dropout(opts) or is_masks(opts):
         from .paired import format_plan as paired_plan
 

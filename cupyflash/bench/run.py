@@ -15,6 +15,7 @@ from .cli import (
     is_masks,
     is_overhead,
     is_variants,
+    is_varlen,
     overhead_uses_sdpa,
     paired_rows,
     parse_args,
@@ -168,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return variants_main(opts)
     if is_dropout(opts) or is_masks(opts):
         return paired_main(opts)
+    if is_varlen(opts):
+        return varlen_main(opts)
     records = run(opts)
     if not records:
         return 0
@@ -253,3 +256,32 @@ def paired_main(opts: Options) -> int:
         write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")
     return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+
+
+def varlen_main(opts: Options) -> int:
+    """``--suite varlen``: the packed-batch table (and JSON records of kind "varlen")."""
+    from .varlen import format_varlen_table, plan_rows, run_varlen
+
+    use_torch = overhead_uses_sdpa(opts)  # a torch comparison asked for (the default with torch)
+    missing = None
+    if use_torch:
+        try:
+            import torch  # noqa: F401  (before environment(): torch's version)
+
+            torch.nested.nested_tensor_from_jagged  # noqa: B018  (jagged nested tensors: torch >= 2.3)
+        except Exception as e:
+            missing = f"torch jagged nested tensors are not available ({type(e).__name__}: {e})"
+    env = environment()
+    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    rows = plan_rows(opts.shapes, opts.passes)
+
+    def save(records: list[Record]) -> None:
+        if opts.json:
+            write_json(records, opts.json)
+
+    records = run_varlen(rows, use_torch, missing, opts.seed, env, progress, save)
+    print(format_varlen_table(records))
+    if opts.json:
+        write_json(records, opts.json)
+        progress(f"wrote {len(records)} records to {opts.json}")
+    return 1 if any(r.status == "error" and r.impl in ("packed",) for r in records) else 0

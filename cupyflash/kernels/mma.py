@@ -21,8 +21,6 @@ _ROW_ALIGN = 8  # elements per 16 bytes
 
 
 def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
-    if p.varlen:
-        return "does not run packed varlen batches yet (issue 14: the portable family does)"
     if not _dtypes.is_half(p.dtype):
         return f"needs float16 or bfloat16 (got {p.dtype})"
     if limits.compute_capability < MIN_COMPUTE_CAPABILITY:

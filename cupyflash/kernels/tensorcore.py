@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes
-from ..plans.tensorcore import BackwardPlan, ForwardPlan
+from ..plans.tensorcore import BackwardPlan, ForwardPlan, with_rows
 from ..validation import AttentionProblem
-from .family import CallPlan, Geometry, Scratch, base_params, call_plan
+from .family import CallPlan, Geometry, Scratch, base_params, call_plan, scratch_rows
 
 
 def ctype(p: AttentionProblem) -> str:
@@ -24,6 +24,8 @@ def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, determin
     """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params).
     ``deterministic``: one zeroed turn counter per (batch, query head, query tile of the main kernel), so
     the key tiles add into dQ in a fixed order (``cuda_src/dq_turns.cuh``)."""
+    if p.varlen:  # the per-row launches and scratch cover the packed (Hq, total_q) rows
+        plan = with_rows(plan, scratch_rows(p, g))
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
     if deterministic:
         scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))

@@ -19,8 +19,6 @@ NEEDS_ALIGNED_ROWS = True
 
 
 def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
-    if p.varlen:
-        return "does not run packed varlen batches yet (issue 14: the portable family does)"
     if not _dtypes.is_half(p.dtype):
         return f"needs float16 or bfloat16 (got {p.dtype})"
     if limits.compute_capability != plans.COMPUTE_CAPABILITY:

@@ -3,7 +3,7 @@ the backward's helper launches (Delta = rowsum(dO * O) before the main kernel, t
 which run unchanged around either family's main backward kernel."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import LaunchPlan, cdiv
@@ -51,3 +51,11 @@ def backward_plan_around(
         rows=rows,
         heads_on_x=heads_on_x,
     )
+
+
+def with_rows(plan: BackwardPlan, rows: int) -> BackwardPlan:
+    """The same plan with the per-row launches (Delta, dQ conversion) and scratch sized for ``rows`` query
+    rows (varlen: Hq * total_q, the packed rows, instead of B * Hq * max_seqlen_q)."""
+    aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
+    return replace(plan, delta=replace(plan.delta, grid=aux_grid), convert=replace(plan.convert, grid=aux_grid),
+                   rows=rows)  # fmt: skip
