@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
       for (int n = 0; n < kNV; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[m][n][e] *= pol.dropout.scale;
+        for (int e = 0; e < 4; ++e) acc_dv[m][n][e] *= p.dropout_scale;
       }
     }
   }

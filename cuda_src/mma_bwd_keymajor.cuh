@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
     for (int n = 0; n < kDS / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dv[n][e] *= pol.dropout.scale;
+      for (int e = 0; e < 4; ++e) acc_dv[n][e] *= p.dropout_scale;
     }
   }
   store_dk_dv<T>(p, b, hkv, key_w, dw * kDS, acc_dk, acc_dv);
