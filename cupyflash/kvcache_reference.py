@@ -90,7 +90,7 @@ def attention_with_kvcache(
 ) -> tuple[Any, Any]:  # fmt: skip
     """float64 ``(o, lse)`` of ``cupyflash.attention_with_kvcache`` on NumPy arrays; appends k/v to the
     caches in place first (k rotated to its positions with rotary_cos/sin, then rounded to the cache's dtype; q
-    rotated too). ``num_splits`` changes nothing here (it is a kernel's schedule)."""
+    rotated too and rounded to its dtype). ``num_splits`` changes nothing here (it is a kernel's schedule)."""
     p = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                       cache_batch_idx=cache_batch_idx, causal=causal, scale=scale, window_size=window_size,
                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
@@ -99,7 +99,8 @@ def attention_with_kvcache(
     cached = seqlens_of(p, cache_seqlens)
     if p.rotary_dim:
         q_pos = cached[:, None] + np.arange(p.nq)[None, :] * p.rotary_q_step  # (B, Nq)
-        q = np.stack([rotate(p, q[b], q_pos[b], rotary_cos, rotary_sin) for b in range(p.batch)])
+        # q is rotated and rounded to its dtype, as the kernel (and FlashAttention's rotary kernel) hands it on.
+        q = np.stack([rotate(p, q[b], q_pos[b], rotary_cos, rotary_sin) for b in range(p.batch)]).astype(q.dtype)
         if k is not None:
             k_pos = cached[:, None] + np.arange(p.n_new)[None, :]
             k = np.stack([rotate(p, k[b], k_pos[b], rotary_cos, rotary_sin) for b in range(p.batch)])
