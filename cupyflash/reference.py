@@ -161,7 +161,8 @@ def attention_forward(
     array; a sink logit per head joins every row's denominator (and its lse). With dropout, o = (P * keep /
     (1 - p)) v with ``cupyflash.dropout_mask``'s keep mask; lse is the undropped one."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias,
+                                          dropout_p))  # fmt: skip
     seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -295,7 +296,8 @@ def tiled_attention_forward(
     """
     _check_blocks(block_q, block_k)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias,
+                                          dropout_p))  # fmt: skip
     seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "filter; --compare none leaves Flex out). dropout (alone): bf16 deterministic backward against the default per "
         "family (--passes bwd; --kernels picks families) and dropout 0.1 forward+backward against ours without "
         "dropout and SDPA FLASH (--passes fwd+bwd). masks (alone): bias with its gradient and a bool mask against "
-        "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd). varlen (alone): a packed bf16 causal batch of long-tailed "
+        "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd). varlen (alone): a packed "
+        "bf16 causal batch of long-tailed "
         "documents against our dense kernel at the same work, padding to the longest and SDPA on nested tensors "
         "(--d, --passes filter; --compare none leaves SDPA out)",
     )
