@@ -195,15 +195,10 @@ def overhead_main(opts: Options) -> int:
     use_sdpa = overhead_uses_sdpa(opts)
     if use_sdpa:
         import torch  # noqa: F401  (imported before environment() so its version is recorded)
-    env = environment()
-    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    env = _environment()
     rows = plan_rows(opts.shapes)
     records = run_overhead(rows, use_sdpa, opts.seed, env, progress)
-    print(format_overhead_table(records, rows))
-    if opts.json:
-        write_json(records, opts.json)
-        progress(f"wrote {len(records)} records to {opts.json}")
-    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+    return _finish(opts, records, format_overhead_table(records, rows))
 
 
 def variants_main(opts: Options) -> int:
@@ -217,20 +212,13 @@ def variants_main(opts: Options) -> int:
             import torch.nn.attention.flex_attention  # noqa: F401  (before environment(): torch's version)
         except Exception as e:
             missing = f"FlexAttention is not importable ({type(e).__name__}: {e})"
-    env = environment()
-    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    env = _environment()
     rows = plan_rows(opts.shapes, opts.passes)
 
-    def save(records: list[Record]) -> None:
-        if opts.json:
-            write_json(records, opts.json)
+    save = _saver(opts)
 
     records = run_variants(rows, use_flex, missing, opts.seed, env, progress, save)
-    print(format_variants_table(records, rows))
-    if opts.json:
-        write_json(records, opts.json)
-        progress(f"wrote {len(records)} records to {opts.json}")
-    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+    return _finish(opts, records, format_variants_table(records, rows))
 
 
 def paired_main(opts: Options) -> int:
@@ -242,20 +230,13 @@ def paired_main(opts: Options) -> int:
     suite = dropout if is_dropout(opts) else masks
     if overhead_uses_sdpa(opts):
         import torch  # noqa: F401  (imported before environment() so its version is recorded)
-    env = environment()
-    progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
+    env = _environment()
     rows = paired_rows(opts)
 
-    def save(records: list[Record]) -> None:
-        if opts.json:
-            write_json(records, opts.json)
+    save = _saver(opts)
 
     records = run_rows(rows, suite.inputs, suite.make, opts.seed, env, progress, save)
-    print(format_table(records, rows, suite.NAMES))
-    if opts.json:
-        write_json(records, opts.json)
-        progress(f"wrote {len(records)} records to {opts.json}")
-    return 1 if any(r.status == "error" and r.impl.startswith("cupyflash") for r in records) else 0
+    return _finish(opts, records, format_table(records, rows, suite.NAMES))
 
 
 def varlen_main(opts: Options) -> int:
@@ -271,17 +252,39 @@ def varlen_main(opts: Options) -> int:
             torch.nested.nested_tensor_from_jagged  # noqa: B018  (jagged nested tensors: torch >= 2.3)
         except Exception as e:
             missing = f"torch jagged nested tensors are not available ({type(e).__name__}: {e})"
+    env = _environment()
+    rows = plan_rows(opts.shapes, opts.passes)
+
+    save = _saver(opts)
+
+    records = run_varlen(rows, use_torch, missing, opts.seed, env, progress, save)
+    return _finish(opts, records, format_varlen_table(records), ours=lambda impl: impl == "packed")
+
+
+# ---------------------------------------------------------------------------- what the suites share
+
+
+def _environment() -> dict[str, Any]:
+    """The device and versions, announced on stderr (torch, when compared, is imported before this)."""
     env = environment()
     progress(f"device: {env['device']} (sm_{env['compute_capability']}), versions {env['versions']}")
-    rows = plan_rows(opts.shapes, opts.passes)
+    return env
+
+
+def _saver(opts: Options):
+    """Writes the records so far after every shape, so a run cut short keeps what it measured."""
 
     def save(records: list[Record]) -> None:
         if opts.json:
             write_json(records, opts.json)
 
-    records = run_varlen(rows, use_torch, missing, opts.seed, env, progress, save)
-    print(format_varlen_table(records))
+    return save
+
+
+def _finish(opts: Options, records: list[Record], table: str, ours=lambda impl: impl.startswith("cupyflash")) -> int:
+    """Print the suite's table, write its JSON, and exit 1 if one of our own calls failed."""
+    print(table)
     if opts.json:
         write_json(records, opts.json)
         progress(f"wrote {len(records)} records to {opts.json}")
-    return 1 if any(r.status == "error" and r.impl in ("packed",) for r in records) else 0
+    return 1 if any(r.status == "error" and ours(r.impl) for r in records) else 0
