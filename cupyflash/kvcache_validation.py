@@ -3,7 +3,6 @@ keywords only (nothing reads array contents, so the checks are CPU-tested and ca
 ``check_values`` is the one content check, run when the caller asks for ``validate=True``."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +13,11 @@ from .validation import (
     MAX_HEAD_DIM,
     _c_contiguous,
     _check_dtype,
-    _check_head_vector,
-    _check_window,
     array_kind,
+    check_builtin_variant,
     common_kind,
 )
-from .variants import Variant, check_finite_nonneg
+from .variants import Variant
 
 INT32 = np.dtype(np.int32)
 MAX_PAGE_SIZE = 256
@@ -151,20 +149,8 @@ def check_kvcache(
         _int32_array("cache_seqlens", cache_seqlens, xp, (b,))
     if nq < 1 and b and hq:
         raise ValueError(f"q needs at least one query row; got {q.shape}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite; got {scale}")
-    window = _check_window(window_size)
-    cap = check_finite_nonneg("softcap", softcap)
-    if alibi_slopes is not None:
-        _check_head_vector("alibi_slopes", alibi_slopes, xp, (b,), hq, batched=True)
-    if sinks is not None:
-        _check_head_vector("sinks", sinks, xp, (b,), hq, batched=False)
+    scale, window, cap = check_builtin_variant(causal, scale, d, window_size, softcap, alibi_slopes, sinks, xp, (b,),
+                                               hq)  # fmt: skip
     rotary_dim, rotary_rows = 0, 0
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise TypeError(f"rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")

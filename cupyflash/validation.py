@@ -157,6 +157,28 @@ def _c_contiguous(x: Any) -> bool:
     return True
 
 
+def check_builtin_variant(causal: Any, scale: Any, d: int, window_size: Any, softcap: Any, alibi_slopes: Any,
+                          sinks: Any, xp: str, batch: tuple[int, ...], hq: int) -> tuple[float, Any, float]:  # fmt: skip
+    """The keywords every attention entry point shares (dense, varlen, KV cache): causal, scale (1/sqrt(D) when
+    None), window_size, softcap, ALiBi slopes and sinks for ``batch`` x ``hq`` heads. Returns (scale, window,
+    softcap)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite; got {scale}")
+    window = _check_window(window_size)
+    cap = check_finite_nonneg("softcap", softcap)
+    if alibi_slopes is not None:
+        _check_head_vector("alibi_slopes", alibi_slopes, xp, batch, hq, batched=True)
+    if sinks is not None:
+        _check_head_vector("sinks", sinks, xp, batch, hq, batched=False)
+    return scale, window, cap
+
+
 def check_attention(
     q: Any,
     k: Any,
@@ -199,20 +221,8 @@ def check_attention(
         raise ValueError(f"head dim D must be in 1..{MAX_HEAD_DIM}; got D={d} (q {q.shape})")
     if hk < 1 or hq < 1 or hq % hk:
         raise ValueError(f"query heads must be a positive multiple of key/value heads; got Hq={hq}, Hk={hk}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite; got {scale}")
-    window = _check_window(window_size)
-    cap = check_finite_nonneg("softcap", softcap)
-    if alibi_slopes is not None:
-        _check_head_vector("alibi_slopes", alibi_slopes, xp, tuple(batch), hq, batched=True)
-    if sinks is not None:
-        _check_head_vector("sinks", sinks, xp, tuple(batch), hq, batched=False)
+    scale, window, cap = check_builtin_variant(causal, scale, d, window_size, softcap, alibi_slopes, sinks, xp,
+                                               tuple(batch), hq)  # fmt: skip
     full = (*batch, hq, nq, k.shape[-2])
     if mask is not None:
         _check_score_array("mask", mask, xp, full, (np.dtype(np.bool_),))
