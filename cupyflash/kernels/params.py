@@ -1,12 +1,12 @@
 """``AttentionParams`` on the host: the Python mirror of ``cuda_src/attention_params.cuh``.
 
 Every attention kernel takes that one struct by value. ``PARAMS`` is its NumPy layout (natural C
-alignment, field for field); ``tests/test_params_layout.py`` compiles the C++ struct with NVRTC and
+alignment, field for field); ``tests/test_launch_abi.py`` compiles the C++ struct with NVRTC and
 checks the size and every offset against it, so the two cannot drift apart.
 
 A launch fills a ``Params`` once per problem signature (sizes, strides, scale, grid order) and only
-writes the array pointers per call (``with_pointers``), which is the cheapest host path there is: one
-bytes copy and one ``struct.pack_into``.
+writes the array pointers per call (``pointer_values``/``write_pointers`` into each launch's own buffer,
+``build.Launch``): one ``struct.pack_into`` per launch.
 """
 from __future__ import annotations
 
@@ -99,12 +99,6 @@ class Params:
         """Write ``pointer_values`` into the leading pointer block of a writable struct buffer."""
         _POINTER_PACK.pack_into(buffer, 0, *values)
 
-    @staticmethod
-    def with_pointers(base: bytes, **pointers: int) -> bytearray:
-        """``base`` (from ``to_bytes``) with the named array pointers written in; the rest stay 0."""
-        buf = bytearray(base)
-        Params.write_pointers(buf, Params.pointer_values(pointers))
-        return buf
 
 
 _SEED_AT = PARAMS.fields["dropout_seed"][1]
@@ -112,7 +106,7 @@ _B0_AT = PARAMS.fields["dropout_b0"][1]
 
 
 def write_dropout(buf: bytearray, seed: int, b0: int) -> None:
-    """A call's dropout seed and its launch's first batch index into params bytes (``with_pointers``'s)."""
+    """A call's dropout seed and its launch's first batch index into a launch's params buffer."""
     struct.pack_into("<Q", buf, _SEED_AT, seed)
     struct.pack_into("<i", buf, _B0_AT, b0)
 
