@@ -86,6 +86,8 @@ struct AttentionParams {
   unsigned int dropout_threshold;  // P_ij is kept iff its Philox draw >= this (floor(p * 2^32))
   float dropout_scale;             // 1 / (1 - p)
   int dropout_b0;                  // batch index of this launch's first batch (leading dims flattened)
+  // Softcap's backward: 1 / softcap_log2, so that tanh is recovered from P with a multiply, not a division.
+  float softcap_inv_log2;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

@@ -107,34 +107,66 @@ __device__ __forceinline__ float tanh_of(float x) {
   }
 }
 
-// Softcap and/or ALiBi, decided at run time (uniform branches): s = softcap * tanh(scale q.k / softcap)
-// when softcap > 0, then s -= slope_h * |q + nk - nq - k| when slopes are given. Scores leave in log2
-// units, so the caller's exponential takes them as they are (scale 1).
+// |q + offset - k| as a float without an int-to-float conversion (a quarter-rate instruction, as the
+// exponential's MUFU): the integer's bits under the exponent of 2^23 make 2^23 + n, exact for n < 2^23.
+__device__ __forceinline__ float distance_of(int q, int offset, int k) {
+  return __int_as_float(0x4B000000 | abs(q + offset - k)) - 8388608.f;
+}
+
+// Softcap and/or ALiBi, decided at run time: s = softcap * tanh(scale q.k / softcap) when softcap > 0,
+// then s -= slope_h * |q + nk - nq - k| when slopes are given. Scores leave in log2 units, so the caller's
+// exponential takes them as they are (scale 1). Per element, a run-time softcap test would be if-converted
+// and pay the tanh (and the backward's log2) on ALiBi-only calls too, so the tensor-core strips test
+// softcapped() once per strip and call the kCap forms (mma_softmax.cuh); log2_score/ds_factor test per element.
 struct ModScore {
   static constexpr bool kIdentity = false;
-  float scale_log2, cap_scale, cap_log2;  // cap_log2 = 0: no softcap
+  static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
+  // The kernel's __grid_constant__ params: the softcap's scalars are read from the constant bank where they
+  // are used (copies would cost registers in kernels at their limit), as ArrayScore does.
+  const AttentionParams* P;
   int offset;
   float slope_log2 = 0.f;  // -slope_h * log2(e), or 0 without ALiBi
-  __device__ ModScore(const AttentionParams& p, int nq, int nk)
-      : scale_log2(p.scale_log2), cap_scale(p.softcap_scale), cap_log2(p.softcap_log2), offset(nk - nq) {}
+  __device__ ModScore(const AttentionParams& p, int nq, int nk) : P(&p), offset(nk - nq) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
+  __device__ __forceinline__ bool softcapped() const { return P->softcap_log2 > 0.f; }
+  template <bool kFast, bool kCap>
+  __device__ __forceinline__ float log2_score_as(float r, int q, int k) const {
+    const float x = kCap ? P->softcap_log2 * tanh_of<kFast>(r * P->softcap_scale) : r * P->scale_log2;
+    return fmaf(slope_log2, distance_of(q, offset, k), x);
+  }
   template <bool kFast>
   __device__ __forceinline__ float log2_score(float r, int q, int k) const {
-    const float x = cap_log2 > 0.f ? cap_log2 * tanh_of<kFast>(r * cap_scale) : r * scale_log2;
-    return fmaf(slope_log2, fabsf(static_cast<float>(q + offset - k)), x);
+    return softcapped() ? log2_score_as<kFast, true>(r, q, k) : log2_score_as<kFast, false>(r, q, k);
   }
   // The softcap's derivative 1 - tanh^2, with tanh recovered from P = exp2(score - lse2) (no extra
   // registers through the backward's products); 1 without softcap, 0 where P is 0.
-  template <bool kFast>
-  __device__ __forceinline__ float ds_factor(float P, float lse2, int q, int k) const {
-    if (!(cap_log2 > 0.f)) return 1.f;
-    if (!(P > 0.f)) return 0.f;
-    const float lg = kFast ? fast_log2(P) : log2f(P);
-    const float t = (lg + lse2 - slope_log2 * fabsf(static_cast<float>(q + offset - k))) / cap_log2;
-    return 1.f - t * t;
+  template <bool kFast, bool kCap>
+  __device__ __forceinline__ float ds_factor_as(float Pij, float lse2, int q, int k) const {
+    if constexpr (!kCap) {
+      return 1.f;
+    } else {
+      if (!(Pij > 0.f)) return 0.f;
+      const float lg = kFast ? fast_log2(Pij) : log2f(Pij);
+      const float t = (lg + lse2 - slope_log2 * distance_of(q, offset, k)) * P->softcap_inv_log2;
+      return 1.f - t * t;
+    }
   }
+  template <bool kFast>
+  __device__ __forceinline__ float ds_factor(float Pij, float lse2, int q, int k) const {
+    return softcapped() ? ds_factor_as<kFast, true>(Pij, lse2, q, k) : 1.f;
+  }
+};
+
+// Does a score type split its softcap out at compile time (ModScore's kCap forms)?
+template <class S, class = void>
+struct SplitsSoftcap {
+  static constexpr bool value = false;
+};
+template <class S>
+struct SplitsSoftcap<S, decltype(void(S::kSplitsSoftcap))> {
+  static constexpr bool value = S::kSplitsSoftcap;
 };
 
 // Masks and biases given as arrays (issue 17), on top of a built-in score rule Base (PlainScore or

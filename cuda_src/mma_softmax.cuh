@@ -139,22 +139,39 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
 // The policy's scores for one strip (coordinates as in mask_strip), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
 // 1 once a score policy has produced log2 units itself.
+template <int NT, bool kKeyRows, class Rule>
+__device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int col0, const Rule& rule) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + (lane >> 2) + (e >> 1) * 8;
+      const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
+      s[n][e] = rule(s[n][e], kKeyRows ? col : row, kKeyRows ? row : col);
+    }
+  }
+}
+
 template <int NT, bool kKeyRows = false, class Score>
 __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
                                              float scale_log2) {
   if constexpr (Score::kIdentity) {
     return positive_scale<NT>(s, scale_log2);
+  } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
+    if (score.softcapped())
+      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
+        return score.template log2_score_as<true, true>(r, q, k);
+      });
+    else
+      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
+        return score.template log2_score_as<true, false>(r, q, k);
+      });
+    return 1.f;
   } else {
-    const int lane = static_cast<int>(threadIdx.x) & 31;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + (lane >> 2) + (e >> 1) * 8;
-        const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        s[n][e] = score.template log2_score<true>(s[n][e], kKeyRows ? col : row, kKeyRows ? row : col);
-      }
-    }
+    score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
+      return score.template log2_score<true>(r, q, k);
+    });
     return 1.f;
   }
 }
@@ -162,6 +179,22 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
 // The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
 // P^T (dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt).
 // lse_q: the tile's queries' lse (natural log), delta_q: their Delta.
+template <class Score, class Factor>
+__device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
+                                            float2 lse_q, const Score& score, int key0, int q0, const Factor& factor) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int key = key0 + (lane >> 2) + (e >> 1) * 8;
+    const int query = q0 + (lane & 3) * 2 + (e & 1);
+    const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
+    const float f = factor(pt[e], l2, query, key);
+    const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
+    if constexpr (HasBiasGrad<Score>::value) score.add_dbias(dsc, query, key);
+    ds[e] = dsc * f;
+  }
+}
+
 template <class Score>
 __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
                                         float2 lse_q, const Score& score, int key0, int q0) {
@@ -170,18 +203,17 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
     ds[1] = pt[1] * (dpt[1] - delta_q.y);
     ds[2] = pt[2] * (dpt[2] - delta_q.x);
     ds[3] = pt[3] * (dpt[3] - delta_q.y);
+  } else if constexpr (SplitsSoftcap<Score>::value) {  // no log2 and no ALiBi distance without a softcap
+    if (score.softcapped())
+      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [&](float P, float l2, int q, int k) {
+        return score.template ds_factor_as<true, true>(P, l2, q, k);
+      });
+    else
+      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [](float, float, int, int) { return 1.f; });
   } else {
-    const int lane = static_cast<int>(threadIdx.x) & 31;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = key0 + (lane >> 2) + (e >> 1) * 8;
-      const int query = q0 + (lane & 3) * 2 + (e & 1);
-      const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
-      const float f = score.template ds_factor<true>(pt[e], l2, query, key);
-      const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
-      if constexpr (HasBiasGrad<Score>::value) score.add_dbias(dsc, query, key);
-      ds[e] = dsc * f;
-    }
+    ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [&](float P, float l2, int q, int k) {
+      return score.template ds_factor<true>(P, l2, q, k);
+    });
   }
 }
 

@@ -91,6 +91,7 @@ class Variant:
             "window_right": right,
             "softcap_scale": scale / cap if cap > 0 else 0.0,
             "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
+            "softcap_inv_log2": 1.0 / (cap * LOG2E) if cap > 0 else 0.0,
             "dropout_threshold": dropout_threshold(self.dropout),
             "dropout_scale": 1.0 / (1.0 - self.dropout),
         }

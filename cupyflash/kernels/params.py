@@ -60,6 +60,7 @@ PARAMS = np.dtype(
         ("dropout_threshold", "<u4"),
         ("dropout_scale", "<f4"),
         ("dropout_b0", "<i4"),
+        ("softcap_inv_log2", "<f4"),
     ],
     align=True,
 )
