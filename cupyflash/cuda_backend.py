@@ -9,6 +9,7 @@ allocated or launched.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -58,13 +59,39 @@ def _aligned(arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]
 
 
 class _Prepared:
-    """A checked signature: the problem, its family, its views and its launch plan."""
+    """A checked signature: the problem, its family, its views, its launch plan and its outputs' layout."""
 
-    __slots__ = ("p", "family", "geometry", "plan", "copy")
+    __slots__ = ("p", "family", "geometry", "plan", "copy", "outputs")
 
     def __init__(self, p: AttentionProblem, family: Any, geometry: Geometry, plan: CallPlan | None,
-                 copy: tuple[str, ...]):  # fmt: skip
+                 copy: tuple[str, ...], outputs: tuple):  # fmt: skip
         self.p, self.family, self.geometry, self.plan, self.copy = p, family, geometry, plan, copy
+        self.outputs = outputs
+
+
+#: A call whose outputs total at most this many bytes takes them from one pool allocation, viewed as arrays
+#: (a view costs ~2 µs, a cupy.empty ~5 µs): tiny calls are bound by the host (issue 12). Their lifetimes are
+#: then tied (the block is freed when the last of them goes), which at this size costs nothing.
+SHARED_OUTPUT_BYTES = 1 << 20
+
+
+def _output_layout(specs: list[tuple[tuple[int, ...], np.dtype]]) -> tuple:
+    """(total bytes, ((shape, dtype, offset), ...)) with 256-byte aligned parts, or (None, specs) past the size."""
+    at, parts = 0, []
+    for shape, dt in specs:
+        parts.append((shape, dt, at))
+        at += -(-math.prod(shape) * dt.itemsize // 256) * 256
+    return (at, tuple(parts)) if at <= SHARED_OUTPUT_BYTES else (None, tuple(specs))
+
+
+def _empty_outputs(layout: tuple) -> list[Any]:
+    import cupy
+
+    total, parts = layout
+    if total is None:
+        return [cupy.empty(shape, dtype=dt) for shape, dt in parts]
+    memory = cupy.cuda.alloc(max(total, 1))
+    return [cupy.ndarray(shape, dt, memptr=memory + at) for shape, dt, at in parts]
 
 
 _forward_cache: dict[tuple, _Prepared] = {}
@@ -97,7 +124,9 @@ def _prepare(
     g = _geometry(p, layout)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is allocated
     empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
-    return _Prepared(p, family, g, None if empty else make_plan(family, p, g, limits), copy)
+    plan = None if empty else make_plan(family, p, g, limits)
+    layout = _output_layout([spec for n, spec in outputs.items() if n != "dbias"])  # dbias: zeroed, apart
+    return _Prepared(p, family, g, plan, copy, layout)
 
 
 def _inputs(prep: _Prepared, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -190,8 +219,7 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
                         extra)  # fmt: skip
         _forward_cache[key] = prep
     p = prep.p
-    o = cupy.empty(q.shape, dtype=p.dtype)
-    lse = cupy.empty(q.shape[:-1], dtype=_FLOAT32)
+    o, lse = _empty_outputs(prep.outputs)
     if prep.plan is None and o.size == 0:
         return o, lse
     if prep.plan is None:  # no key at all: every row is fully masked (its sink alone, if any, takes the softmax)
@@ -247,9 +275,7 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
                         lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra)
         _backward_cache[key] = prep
     p = prep.p
-    dq = cupy.empty(q.shape, dtype=p.dtype)
-    dk = cupy.empty(k.shape, dtype=p.dtype)
-    dv = cupy.empty(v.shape, dtype=p.dtype)
+    dq, dk, dv = _empty_outputs(prep.outputs)
     dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
     dbias = cupy.zeros(bias.shape, dtype=_FLOAT32) if bias_grad else None  # atomics add into it

@@ -204,6 +204,7 @@ def test_linear_launches_match_kernels(monkeypatch, path, dtype):
         return np.asarray(x).view(_DeviceArray)
 
     monkeypatch.setattr(build, "get_function", lambda source, name: Recorder(source, name))
+    monkeypatch.setattr(linear, "_launch", lambda plan, args: seen.append((plan.source, plan.name, args)))
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
     monkeypatch.setattr(cupy, "zeros", _empty)
@@ -235,3 +236,35 @@ def test_linear_launches_match_kernels(monkeypatch, path, dtype):
         want = [int(m.group(1)) // 8 for m in re.finditer(r"\.param \.[a-z]+?(\d+) ", head)]
         got = [8 if isinstance(a, np.ndarray) else np.dtype(type(a)).itemsize for a in args]
         assert got == want, f"{name}: launcher passes sizes {got}, kernel declares {want}"
+
+
+def test_positional_arguments_are_packed_as_the_c_abi_lays_them_out():
+    """build.ArgsLaunch (the linear kernels' launch): each argument at its natural alignment, arrays by pointer,
+    and the argument-pointer array pointing at each one."""
+    import ctypes
+    import struct
+
+    from cupyflash.kernels import build
+    from cupyflash.plans import LaunchPlan
+
+    plan = LaunchPlan("linear_masked.cu", "k", (1, 1, 1), (32, 1, 1), 0)
+    fake = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x1234_5678_9ABC))
+    args = (np.int32(7), fake, np.float32(1.5), np.int32(-2), np.int64(-3), fake)
+    launch = build.ArgsLaunch(plan, "".join(build._ARG_CODES.get(type(a), "P") for a in args))
+    launch.pack(args)
+    base = ctypes.addressof(launch.buffer)
+    offsets = [p - base for p in launch._argv]
+    assert offsets == [0, 8, 16, 20, 24, 32]
+    raw = bytes(launch.buffer)
+    assert struct.unpack_from("<i", raw, 0)[0] == 7 and struct.unpack_from("<Q", raw, 8)[0] == 0x1234_5678_9ABC
+    assert struct.unpack_from("<f", raw, 16)[0] == 1.5 and struct.unpack_from("<i", raw, 20)[0] == -2
+    assert struct.unpack_from("<q", raw, 24)[0] == -3 and struct.unpack_from("<Q", raw, 32)[0] == 0x1234_5678_9ABC
+
+
+def test_positional_launch_rejects_python_scalars():
+    from cupyflash.kernels import build
+    from cupyflash.plans import LaunchPlan
+
+    plan = LaunchPlan("linear_masked.cu", "k", (1, 1, 1), (32, 1, 1), 0)
+    with pytest.raises(TypeError, match="NumPy int32"):
+        build.launch_plan(plan, (np.int32(1), 5))

@@ -67,12 +67,16 @@ class Launches:
 
         return Function()
 
+    def launch_plan(self, plan: Any, args: tuple) -> None:
+        """Stands in for ``build.launch_plan`` (the packed positional launch the linear kernels use)."""
+        self.seen.append((plan.name, plan.grid, len(args)))
+
 
 @contextlib.contextmanager
 def stubbed_device(limits: Any = None) -> Iterator[Launches]:
     """Host stand-ins for the GPU: launches are recorded, arrays are ``HostArray``s, H100 limits."""
     from cupyflash import plans
-    from cupyflash.kernels import build
+    from cupyflash.kernels import build, linear
 
     launches = Launches()
     functions: dict[tuple[str, str], Any] = {}
@@ -97,6 +101,7 @@ def stubbed_device(limits: Any = None) -> Iterator[Launches]:
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context
         patch(mock.patch.object(build, "get_function", get_function))
+        patch(mock.patch.object(linear, "_launch", launches.launch_plan))
         patch(mock.patch.object(plans.DeviceLimits, "current", classmethod(lambda cls: lim)))
         patch(mock.patch.object(cupy, "empty", empty))
         patch(mock.patch.object(cupy, "zeros", zeros))

@@ -1,0 +1,47 @@
+"""Where a small backward's and a linear forward's host time goes (issue 12), by parts and by cProfile. GPU machine:
+    python benchmarks/dev_host_profile.py
+"""
+import cProfile, pstats, io, time
+import cupy, numpy as np
+import cupyflash
+from cupyflash import cuda_backend as cb
+from cupyflash.kernels import family
+
+def per_call(f, n=3000):
+    for _ in range(50): f()
+    cupy.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(n): f()
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+rng = cupy.random.default_rng(0)
+bf16 = cupy.dtype('bfloat16')
+q, k, v = (rng.standard_normal((1, 8, 128, 64), dtype=np.float32).astype(bf16) for _ in range(3))
+o, lse = cupyflash.attention_forward(q, k, v)
+do = rng.standard_normal(o.shape, dtype=np.float32).astype(bf16)
+rows = {}
+rows['api backward'] = per_call(lambda: cupyflash.attention_backward(do, q, k, v, o, lse))
+rows['cuda_backend.backward'] = per_call(lambda: cb.backward(do, q, k, v, o, lse, False, None, 'auto'))
+prep = next(iter(cb._backward_cache.values()))
+dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
+ptrs = {"dout": do.data.ptr, "q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr, "lse": lse.data.ptr,
+        "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr}
+rows['family.run only'] = per_call(lambda: family.run(prep.plan, prep.geometry, ptrs))
+launches = prep.plan.ready()
+st = cupy.cuda.get_current_stream().ptr
+rows['fire x%d only' % len(launches)] = per_call(lambda: [l.fire(st) for l in launches])
+rows['cupy.empty x3'] = per_call(lambda: (cupy.empty(q.shape, bf16), cupy.empty(k.shape, bf16), cupy.empty(v.shape, bf16)))
+rows['cupy.cuda.alloc'] = per_call(lambda: cupy.cuda.alloc(1 << 16))
+rows['memsetAsync'] = per_call(lambda: cupy.cuda.runtime.memsetAsync(dq.data.ptr, 0, 1 << 16, st))
+rows['key'] = per_call(lambda: (cb._key_of(False), cb._key_of(None), cupy.cuda.runtime.getDevice(), *(cb._array_key(x) for x in (do, q, k, v, o, lse))))
+print('backward launches:', [l.name if hasattr(l, 'name') else type(l).__name__ for l in launches], 'scratch', prep.plan.scratch)
+for k_, v_ in rows.items(): print(f"{k_:28s} {v_:8.2f} us")
+from cupyflash import linear_attention_forward
+rows2 = {'linear fwd causal': per_call(lambda: linear_attention_forward(q, k, v, causal=True))}
+for k_, v_ in rows2.items(): print(f"{k_:28s} {v_:8.2f} us")
+for label, f in (("backward", lambda: cupyflash.attention_backward(do, q, k, v, o, lse)),
+                 ("linear", lambda: linear_attention_forward(q, k, v, causal=True))):
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(3000): f()
+    pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('tottime').print_stats(22); print(label, s.getvalue()[-4500:])
