@@ -114,32 +114,92 @@ struct SeqGeometry {
   int nq, nk;
 };
 
-// The query side alone (first row, length), for code that needs no key lengths: volatile reads are never
+// The query side alone (first row, length), for code that needs no key lengths: the reads below are never
 // dropped, even unused, so a loop that only addresses query rows reads two values instead of five.
 struct SeqRows {
   int q_row0, nq;
 };
 
-// The reads are volatile so that a kernel may call this again inside its main loop and get the values
-// re-read (a few L1 hits per tile) instead of kept live across the loop: dense calls answer from the
-// constant bank as before, and varlen calls cost no registers where the tiles have none to spare.
+// One int of cu_seqlens/seqused_k through the read-only path: an L1 hit after the first read (the arrays do
+// not change during a launch). A C++ volatile load would be a relaxed system-scope load, which skips L1 and
+// waits on L2 each time: the backward's per-step re-reads paid that on their critical path. What keeps the
+// values from being hoisted and held live through a main loop is the caller's opaque() sequence index.
+__device__ __forceinline__ int reread(const int* a, int i) { return __ldg(a + i); }
+
+// A kernel may call these again inside its main loop and get the values re-read instead of kept live
+// across the loop: dense calls answer from the constant bank as before, and varlen calls cost no
+// registers where the tiles have none to spare.
 __device__ __forceinline__ SeqRows seq_queries(const AttentionParams& p, int b) {
   if (p.cu_seqlens_q == nullptr) return {0, p.nq};  // uniform: dense calls pay one test
-  const volatile int* cu_q = p.cu_seqlens_q;
-  const int q0 = min(max(cu_q[b], 0), p.total_q);
-  const int q1 = min(max(cu_q[b + 1], q0), p.total_q);
+  const int q0 = min(max(reread(p.cu_seqlens_q, b), 0), p.total_q);
+  const int q1 = min(max(reread(p.cu_seqlens_q, b + 1), q0), p.total_q);
   return {q0, min(q1 - q0, p.nq)};
 }
 
 __device__ __forceinline__ SeqGeometry seq_geometry(const AttentionParams& p, int b) {
   if (p.cu_seqlens_q == nullptr) return {0, 0, p.nq, p.nk};  // uniform: dense calls pay one test
   const SeqRows q = seq_queries(p, b);
-  const volatile int* cu_k = p.cu_seqlens_k;
-  const int k0 = min(max(cu_k[b], 0), p.total_k);
-  const int k1 = min(max(cu_k[b + 1], k0), p.total_k);
+  const int k0 = min(max(reread(p.cu_seqlens_k, b), 0), p.total_k);
+  const int k1 = min(max(reread(p.cu_seqlens_k, b + 1), k0), p.total_k);
   int nk = min(k1 - k0, p.nk);
-  if (p.seqused_k != nullptr) nk = min(nk, max(static_cast<const volatile int*>(p.seqused_k)[b], 0));
+  if (p.seqused_k != nullptr) nk = min(nk, max(reread(p.seqused_k, b), 0));
   return {q.q_row0, k0, q.nq, nk};
+}
+
+// Varlen grids are compact: the head axis holds heads only, and the tile axis "virtual tiles": sequence b's
+// tiles of `tile` rows sit at [s_b, s_b + n_b) with s_b = floor(cu[b] / tile) + b, which increases and leaves
+// room for n_b = ceil(len_b / tile) (floor((a + L) / T) - floor(a / T) + 1 >= ceil(L / T)); all of them fit
+// below floor(total / tile) + B (cupyflash/plans grid_axes), where B * ceil(max_seqlen / tile) blocks, most
+// of them with nothing to do, were launched before.
+//
+// The largest b with s_b <= t: a warp-wide 32-ary search (a load per lane and a ballot per step, so
+// ceil(log32 B) dependent loads). Every lane of the warp calls it; values of cu are clamped, and whatever
+// they hold the answer is a b in [0, B).
+__device__ __forceinline__ int varlen_sequence_of(const int* cu, int batch, int total, int tile, int t) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  int lo = 0, n = batch;  // the answer lies in [lo, lo + n)
+  while (n > 1) {
+    const int step = (n + 31) / 32;
+    bool below = false;
+    if (lane * step < n) {
+      const int i = lo + lane * step;
+      below = min(max(reread(cu, i), 0), total) / tile + i <= t;
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, below);
+    const int k = m ? 31 - __clz(m) : 0;  // the last candidate at or below t
+    lo += k * step;
+    n = min(step, n - k * step);
+  }
+  return lo;
+}
+
+// tile_coord for a grid over tiles of `tile` rows of one axis (cu, total, longest: that axis's cu_seqlens,
+// packed rows and max_seqlen): dense calls as tile_coord; varlen calls get bh = b * heads + h, the tile
+// inside sequence b and b's tile count, or, for a virtual tile b does not use, a tile past every sequence
+// (past its n_tiles too, so kernels counting tiles down from n_tiles - 1 also land past the end).
+__device__ __forceinline__ TileCoord varlen_tile_coord(const AttentionParams& p, int tile, const int* cu, int total,
+                                                       int longest) {
+  TileCoord c = tile_coord(p);
+  if (p.cu_seqlens_q == nullptr) return c;  // uniform: dense calls pay one test
+  const int b = varlen_sequence_of(cu, p.batch, total, tile, c.tile);
+  const int r0 = min(max(reread(cu, b), 0), total);
+  const int r1 = min(max(reread(cu, b + 1), r0), total);
+  const int n = (min(r1 - r0, longest) + tile - 1) / tile;
+  const int local = c.tile - (r0 / tile + b);
+  c.bh += b * static_cast<int>(p.heads_fastest ? gridDim.x : gridDim.y);
+  if (local < 0 || local >= n) {
+    const int past = (max(p.nq, p.nk) + tile - 1) / tile;
+    return {c.bh, past, 2 * past + 1};
+  }
+  return {c.bh, local, n};
+}
+
+// Grids over query tiles (forwards, the dQ pass) and over key tiles (the backward's dK/dV kernels).
+__device__ __forceinline__ TileCoord query_tile_coord(const AttentionParams& p, int tile) {
+  return varlen_tile_coord(p, tile, p.cu_seqlens_q, p.total_q, p.nq);
+}
+__device__ __forceinline__ TileCoord key_tile_coord(const AttentionParams& p, int tile) {
+  return varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk);
 }
 
 // The first dense scratch row (dQ accumulator, Delta, lse2) of query head h of sequence/batch b: rows are

@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   T* sK = sQ + Br * L::kPitch;
   T* sV = sK + kStages * Bc * L::kPitch;
 
-  const TileCoord tc = tile_coord(p);
+  const TileCoord tc = query_tile_coord(p, Br);
   const int b = tc.bh / p.hq;
   const int h = tc.bh % p.hq;
   const int hk = h / p.group;

@@ -108,7 +108,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
     float* lse2s = dSts + BC * LDS;
     float* deltas = lse2s + BR;
 
-    const TileCoord tc = tile_coord(p);  // (batch * kv heads, key tile)
+    const TileCoord tc = key_tile_coord(p, BC);  // (batch * kv heads, key tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int c0 = tc.tile * BC, b = tc.bh / p.hk, hk = tc.bh % p.hk;
     // Sequence b's rows and lengths (varlen; dense: the whole problem). They are re-read where needed
@@ -268,7 +268,7 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     float* lse2s = dSs + BR * LDS;
     float* deltas = lse2s + BR;
 
-    const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
+    const TileCoord tc = query_tile_coord(p, BR);  // (batch * query heads, query tile)
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
     const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths

@@ -42,7 +42,7 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     float* KVs = Qs + BR * LDD;
     float* Ps = KVs + BC * LDD;
 
-    const TileCoord tc = tile_coord(p);  // (batch * query heads, query tile)
+    const TileCoord tc = query_tile_coord(p, BR);  // (batch * query heads, query tile)
     const int lane = threadIdx.x % LANES, g = threadIdx.x / LANES;
     const int r0 = tc.tile * BR, b = tc.bh / p.hq, h = tc.bh % p.hq, hk = h / p.group;
     const SeqGeometry seq = seq_geometry(p, b);  // varlen: sequence b's rows and lengths

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   T* const sK = reinterpret_cast<T*>(smem_raw + (sK_u - raw_u));
   T* const sV = reinterpret_cast<T*>(smem_raw + (sV_u - raw_u));
 
-  const TileCoord tc = tile_coord(p);
+  const TileCoord tc = query_tile_coord(p, Br);
   const int b = tc.bh / p.hq;
   const int h = tc.bh % p.hq;
   const int hk = h / p.group;

@@ -386,6 +386,7 @@ def test_portable_plans_size_rows_by_the_packed_rows(rng):
     from cupyflash.kernels.family import Geometry
     from cupyflash.kernels.params import PARAMS
     from cupyflash.plans import DeviceLimits
+    from cupyflash.plans import portable as plans_portable
 
     vp, p = _kernel_problem(rng)
     hq, d = p.hq, p.d
@@ -398,7 +399,9 @@ def test_portable_plans_size_rows_by_the_packed_rows(rng):
     rec = np.frombuffer(raw, PARAMS)[0]
     assert (rec["batch"], rec["nq"], rec["nk"], rec["total_q"], rec["total_k"]) == (4, 37, 41, 43, 49)
     assert rec["rows"] == hq * 43 and rec["alibi_sb"] == hq and tuple(rec["lse_s"]) == (0, 43, 1)
-    assert lp.grid[1] == 4 * hq  # (query tiles of max_seqlen_q, sequences x heads)
+    # Compact varlen grid (plans.grid_axes): total_q // rows + B virtual query tiles x heads.
+    rows = plans_portable.forward_plan(portable._shape(p, g), limits).tile.rows
+    assert lp.grid == (43 // rows + 4, hq, 1)
     bstrides = {**strides, "dout": strides["o"], "dq": strides["o"], "dk": (0, d, 2 * d), "dv": (0, d, 2 * d)}
     bwd = portable.backward_plan(p, Geometry(4, bstrides, ({},), True), limits)
     assert {s.field: s.size for s in bwd.scratch} == {"lse_log2": hq * 43, "delta": hq * 43, "dq_accum": hq * 43 * d}
@@ -409,7 +412,7 @@ def test_portable_plans_size_rows_by_the_packed_rows(rng):
 
 def test_tensor_core_plans_size_rows_by_the_packed_rows(rng):
     """The mma and wgmma backwards: Delta and the dQ conversion run one warp per packed row, the scratch holds
-    Hq * total_q rows, and the main grids cover (tiles of max_seqlen, sequences x heads)."""
+    Hq * total_q rows, and the main grids are compact: heads x (total // tile + B) virtual tiles."""
     from cupyflash.kernels import mma, wgmma
     from cupyflash.kernels.family import Geometry
     from cupyflash.kernels.params import PARAMS
@@ -432,6 +435,8 @@ def test_tensor_core_plans_size_rows_by_the_packed_rows(rng):
         assert delta.grid == convert.grid and delta.grid[0] * 8 >= hq * 43 > (delta.grid[0] - 1) * 8
         rec = np.frombuffer(raw, PARAMS)[0]
         assert (rec["rows"], rec["total_q"], rec["total_k"], rec["nq"], rec["nk"]) == (hq * 43, 43, 49, 37, 41)
-        assert 4 * p.hk in main.grid[:2]  # sequences x kv heads on one axis, key tiles on the other
+        bc = fam.plans.backward_config(p.d, limits).bc
+        heads, tiles = (main.grid[0], main.grid[1]) if main.grid[0] == p.hk else (main.grid[1], main.grid[0])
+        assert (heads, tiles) == (p.hk, 49 // bc + 4)  # kv heads on one axis, virtual key tiles on the other
         (fwd, _), = fam.forward_plan(p, g, limits).launches
-        assert 4 * hq in fwd.grid[:2]
+        assert hq in fwd.grid[:2] and 4 * hq not in fwd.grid[:2]

@@ -40,7 +40,8 @@ def forward_plan(
     p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.ForwardConfig | None = None
 ) -> CallPlan:
     """``config`` overrides the tile configuration (benchmarks and tests of other variants)."""
-    plan = plans.plan_forward(g.batch, p.hq, p.nq, p.d, ctype(p), limits, config, p.variant)
+    plan = plans.plan_forward(g.batch, p.hq, p.nq, p.d, ctype(p), limits, config, p.variant,
+                              total=p.total_q if p.varlen else None)  # fmt: skip
     return forward_call(plan, p, g)
 
 
@@ -48,7 +49,8 @@ def backward_plan(
     p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.AnyBackwardConfig | None = None,
     deterministic: bool = False,
 ) -> CallPlan:
-    plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant)
+    plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant,
+                               total=p.total_k if p.varlen else None)  # fmt: skip
     return backward_call(plan, p, g, deterministic)
 
 

@@ -13,6 +13,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def grid_axes(batch: int, heads: int, n: int, tile: int, total: int | None = None) -> tuple[int, int]:
+    """(head axis, tile axis) of a grid over tiles of ``tile`` rows. Dense: B*H heads x ceil(n / tile) tiles.
+    Varlen (``total`` packed rows of B sequences): H heads x (total // tile + B) "virtual tiles", which the
+    kernels map back to (sequence, tile) (``varlen_tile_coord`` in cuda_src/attention_params.cuh): no block
+    for the tiles a short sequence lacks."""
+    if total is None:
+        return batch * heads, cdiv(n, tile)
+    return heads, total // tile + batch
+
+
 @dataclass(frozen=True)
 class DeviceLimits:
     """The few device properties that launch geometry depends on."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..variants import BUILTIN, Variant
-from . import DeviceLimits, LaunchPlan, cdiv
+from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
 
 FORWARD_SOURCE = "mma_forward.cu"
@@ -180,10 +180,13 @@ BACKWARD_FALLBACKS: dict[int, BackwardConfig] = {
 }
 
 
-def _heads_on_x(longest_first: bool, heads: int) -> bool:
+def _heads_on_x(longest_first: bool, heads: int, tiles: int = 1) -> bool:
     """Grid (B*H, tiles) -- heads fastest -- when tiles differ in work (causal: every head's longest tiles go first);
     (tiles, B*H) otherwise, so that one head's blocks run together and share its K/V (forward) or
-    Q/dO and dQ lines (backward) through L2; (B*H, tiles) also when B*H overflows gridDim.y."""
+    Q/dO and dQ lines (backward) through L2; (B*H, tiles) also when B*H overflows gridDim.y, and (tiles, H) when
+    the tiles would (a large varlen pack)."""
+    if tiles > MAX_GRID_Y and heads <= MAX_GRID_Y:
+        return False
     return longest_first or heads > MAX_GRID_Y
 
 
@@ -214,14 +217,15 @@ def plan_forward(
     limits: DeviceLimits,
     config: ForwardConfig | None = None,
     variant: Variant = Variant(),
+    total: int | None = None,
 ) -> ForwardPlan:
     """Grid over (B*Hq, query tiles), in the order _heads_on_x picks; the kernel counts query tiles down
-    from the last (most work under causal)."""
+    from the last (most work under causal). ``total``: varlen's packed query rows (grid_axes)."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma forward configuration for D={d} within {limits.max_shared_per_block} B of smem")
-    heads, tiles = batch * hq, cdiv(nq, cfg.br)
-    on_x = _heads_on_x(variant.longest_first, heads)
+    heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
+    on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     name = cfg.name(ctype, variant.cpp_policy)
     main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
@@ -239,14 +243,15 @@ def plan_backward(
     limits: DeviceLimits,
     config: AnyBackwardConfig | None = None,
     variant: Variant = Variant(),
+    total: int | None = None,
 ) -> BackwardPlan:
     """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query
     row for the helpers."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
-    heads, tiles = batch * hk, cdiv(nk, cfg.bc)
-    on_x = _heads_on_x(variant.longest_first, heads)
+    heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
+    on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     name = cfg.name(ctype, variant.cpp_policy)
     main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..variants import BUILTIN, Variant
-from . import DeviceLimits, LaunchPlan, cdiv
+from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 
 FORWARD_SOURCE = "portable_forward.cu"
 BACKWARD_SOURCE = "portable_backward.cu"
@@ -142,10 +142,19 @@ class Shape:
     d: int
     dtype: np.dtype
     variant: Variant = Variant()
+    total_q: int | None = None  # varlen: packed rows (b sequences; nq, nk are then max_seqlen_q/k)
+    total_k: int | None = None
 
     @property
     def group(self) -> int:
         return self.hq // self.hk
+
+    def query_axes(self, rows: int) -> tuple[int, int]:
+        """(heads, tiles) of a grid over query tiles of ``rows`` (grid_axes: compact for varlen)."""
+        return grid_axes(self.b, self.hq, self.nq, rows, self.total_q)
+
+    def key_axes(self, rows: int) -> tuple[int, int]:
+        return grid_axes(self.b, self.hk, self.nk, rows, self.total_k)
 
 
 def heads_fastest(heads: int) -> bool:
@@ -172,7 +181,8 @@ class PortableForwardPlan:
 def forward_plan(s: Shape, limits: DeviceLimits) -> PortableForwardPlan:
     dp = padded_d(s.d)
     t, smem = _pick(FORWARD_TILES, forward_smem, dp, limits)
-    grid = _grid(cdiv(s.nq, t.rows), s.b * s.hq)  # one block per (Q_i tile, batch and query head)
+    heads, tiles = s.query_axes(t.rows)
+    grid = _grid(tiles, heads)  # one block per (Q_i tile, batch and query head)
     name = fwd_name(ctype(s.dtype), dp, t, s.variant.cpp_policy)
     lp = LaunchPlan(FORWARD_SOURCE, name, grid, (t.threads, 1, 1), smem)
     return PortableForwardPlan(s, dp, t, lp)
@@ -211,11 +221,13 @@ def backward_plan(s: Shape, limits: DeviceLimits, dq_strategy: DqStrategy = "ato
     delta = LaunchPlan(BACKWARD_SOURCE, delta_name(ct), delta_grid, (DELTA_THREADS, 1, 1), 0)
     kt, kv_bytes = _pick(KV_TILES, kv_smem, dp, limits)
     pol = s.variant.cpp_policy
-    kv_grid = _grid(cdiv(s.nk, kt.rows), s.b * s.hk)  # one block per (K_j/V_j tile, batch and kv head)
+    heads, tiles = s.key_axes(kt.rows)
+    kv_grid = _grid(tiles, heads)  # one block per (K_j/V_j tile, batch and kv head)
     kv = LaunchPlan(BACKWARD_SOURCE, kv_name(ct, dp, kt, pol), kv_grid, (kt.threads, 1, 1), kv_bytes)
     if dq_strategy == "separate":
         qt, dq_bytes = _pick(DQ_TILES, dq_smem, dp, limits)
-        dq_grid = _grid(cdiv(s.nq, qt.rows), s.b * s.hq)
+        heads, tiles = s.query_axes(qt.rows)
+        dq_grid = _grid(tiles, heads)
         dq = LaunchPlan(BACKWARD_SOURCE, dq_name(ct, dp, qt, pol), dq_grid, (qt.threads, 1, 1), dq_bytes)
     else:
         # Grid-stride loop: enough blocks to fill the device, no more.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..variants import BUILTIN, Variant
-from . import DeviceLimits, LaunchPlan, cdiv
+from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
 
 FORWARD_SOURCE = "wgmma_forward.cu"
@@ -77,26 +77,29 @@ def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
 
 
-def _heads_first(longest_first: bool, heads: int, sm_count: int) -> bool:
+def _heads_first(longest_first: bool, heads: int, sm_count: int, tiles: int = 1) -> bool:
     """Grid order (both passes): when tiles differ in work (causal), heads fastest (every head's longest tiles first) only while at
     most half an SM count of heads is in flight; with more, one head's tiles run together and share its K/V
     (forward) or Q_i/dO_i and dQ lines (backward) in L2. Measured on an H100 (bf16, B*N = 16k): heads fastest
     is 3-10% ahead at B*H <= 64 and 2-10% (forward) or 17-35% (backward) behind at B*H >= 128. The H200 would
     rather keep heads fastest for the D=64 forward at B*H = 128 (11%), but the H100's D=128 forward there
-    falls below SDPA FLASH with it (benchmarks/NOTES.md, "Causal grid order")."""
+    falls below SDPA FLASH with it (benchmarks/NOTES.md, "Causal grid order"). Tiles go on x whenever they
+    would overflow gridDim.y (a large varlen pack)."""
+    if tiles > MAX_GRID_Y and heads <= MAX_GRID_Y:
+        return False
     return (longest_first and heads <= sm_count // 2) or heads > MAX_GRID_Y
 
 
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
-    config: ForwardConfig | None = None, variant: Variant = Variant(),
+    config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
     cfg = config or forward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
-    heads, tiles = batch * hq, cdiv(nq, cfg.br)
-    on_x = _heads_first(variant.longest_first, heads, limits.sm_count)
+    heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
+    on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     name = cfg.name(ctype, variant.cpp_policy)
     main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
@@ -147,14 +150,14 @@ def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
 
 def plan_backward(
     batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
-    config: BackwardConfig | None = None, variant: Variant = Variant(),
+    config: BackwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> BackwardPlan:  # fmt: skip
     """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
-    heads, tiles = batch * hk, cdiv(nk, cfg.bc)
-    on_x = _heads_first(variant.longest_first, heads, limits.sm_count)
+    heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
+    on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     name = cfg.name(ctype, variant.cpp_policy)
     main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
