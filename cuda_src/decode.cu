@@ -408,3 +408,6 @@ __global__ void merge_states(const TIn* __restrict__ o_parts, const float* __res
 }
 
 }  // namespace cupyflash
+
+// The tensor-core kernel for fp16/bf16 caches (decode_split_mma): it reads the definitions above.
+#include "decode_mma.cuh"

@@ -424,7 +424,7 @@ def test_host_path_fills_decode_params(monkeypatch):
     kvcache._launch(kvcache._prepare(problem, arrays, 0), arrays)
     (append, args0), (split, args1) = seen
     assert "kv_append<__half>" in append.name and append.grid == (b, hk, 1)
-    assert "decode_split<__half, 64, 16, 64, cupyflash::Policy<cupyflash::Causal" in split.name
+    assert "decode_split_mma<__half, 64, 1, 4, cupyflash::Policy<cupyflash::Causal" in split.name
     assert args0 == args1
     rec = np.frombuffer(args1, decode.DECODE_PARAMS)[0]
     assert rec["kc_s"].tolist() == (page * hk * d, d, hk * d)  # element strides of the transposed view
