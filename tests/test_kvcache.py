@@ -323,6 +323,65 @@ def test_plans_for_the_issue_shapes(shape):
     assert pl.append is None
 
 
+@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 4), ((64, 1, 4096), 1), ((1, 1, 131072), 33),
+                                           ((128, 1, 1024), 1), ((8, 16, 32768), 4)])  # fmt: skip
+def test_mma_plans_for_the_issue_shapes(shape, splits):
+    """bf16 runs the tensor-core kernel: one 16-row strip at Nq = 1 (4 packed rows), four at Nq = 16 (64 rows), a
+    three-stage ring with two blocks per H100 SM, and splits that fill one wave of 2 x 132 resident blocks."""
+    from cupyflash.kernels import decode
+    from cupyflash.plans import H100
+
+    b, nq, cap = shape
+    pl = decode.plan(_problem(b=b, nq=nq, cap=cap, dtype="bf16"), H100)
+    assert pl.kernel == "mma" and "decode_split_mma<__nv_bfloat16, 128, " in pl.decode.name
+    assert (pl.km, pl.stages, pl.splits) == (16 if nq == 1 else 64, 3, splits)
+    assert pl.decode.shared_bytes == decode.mma_smem_bytes(128, pl.km // 16, 3) <= H100.max_shared_per_block
+    assert decode.blocks_per_sm(pl.decode.shared_bytes, H100) == 2 and pl.decode.max_carveout
+    assert b * 8 * pl.splits <= 2 * H100.sm_count or pl.splits == 1
+
+
+def test_kernel_choice():
+    """float32 caches take the FMA kernel (mma would round its operands), 16-bit ones tensor cores; "fma" forces
+    the FMA kernel, "mma" refuses float32; D = 256 on a 99 KB part falls back to the FMA kernel."""
+    from cupyflash.kernels import decode
+    from cupyflash.plans import A100, H100, RTX4090
+
+    assert decode.plan(_problem(dtype=np.float32), H100).kernel == "fma"
+    assert decode.plan(_problem(), H100).kernel == "mma"
+    forced = decode.plan(_problem(), H100, kernel="fma")
+    assert forced.kernel == "fma" and "decode_split<__half, 128, 4, 64" in forced.decode.name
+    with pytest.raises(ValueError, match="16-bit"):
+        decode.plan(_problem(dtype=np.float32), H100, kernel="mma")
+    with pytest.raises(ValueError, match="kernel"):
+        decode.plan(_problem(), H100, kernel="wgmma")
+    for limits in (A100, H100):
+        for nq in (1, 3, 16, 40):
+            for d in (24, 64, 96, 256):
+                pl = decode.plan(_problem(b=2, nq=nq, d=d, cap=4096), limits)
+                assert pl.kernel == "mma" and pl.decode.shared_bytes <= limits.max_shared_per_block
+                assert pl.km == 16 * next(w for w in (1, 2, 4) if 16 * w >= min(4 * nq, 64))
+                assert pl.m_chunks == -(-4 * nq // pl.km)
+    assert decode.plan(_problem(b=2, d=256, cap=4096), RTX4090).kernel == "fma"
+
+
+def test_choose_splits_fills_a_wave():
+    from cupyflash.kernels.decode import choose_splits
+    from cupyflash.plans import H100
+
+    assert choose_splits(8, 2048, H100, 0, 2) == 33  # 264 blocks: one full wave
+    assert choose_splits(300, 2048, H100, 0, 2) == 1  # more blocks than slots
+    assert choose_splits(8, 20, H100, 0, 2) == 5  # at least four tiles per split
+    assert choose_splits(8, 2048, H100, 6, 2) == 6  # the caller's count
+
+
+def test_kernel_keyword_checks():
+    args = _args()
+    with pytest.raises(ValueError, match="kernel"):
+        cf.attention_with_kvcache(**args, cache_seqlens=3, kernel="wgmma")
+    with pytest.raises(TypeError, match="NumPy"):
+        cf.attention_with_kvcache(**args, cache_seqlens=3, kernel="mma")
+
+
 def test_plan_respects_num_splits_and_shared_limit():
     from cupyflash.kernels import decode
     from cupyflash.plans import A100, RTX4090
