@@ -20,7 +20,7 @@ from .params import PARAMS
 
 SOURCE = "decode.cu"
 THREADS = 128
-#: Padded head dims, rows per block (query rows sharing one KV head), keys per tile.
+#: Padded head dims; the FMA kernel's rows per block (query rows sharing one KV head) and keys per tile.
 HEAD_DIMS = (64, 128, 256)
 ROWS = (4, 8, 16, 32, 64)
 KEY_TILES = (64, 32)
