@@ -150,7 +150,8 @@ def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None
     only: its value is range-checked per call, so a decode loop does not grow the cache."""
     from .cuda_backend import _key_of
 
-    if any(x is not None and not hasattr(x, "data") or isinstance(x, np.ndarray) for n, x in arrays.items()
+    # (NumPy first: hasattr(x, "data") raises for a bfloat16 ndarray, whose buffer has no format code)
+    if any(isinstance(x, np.ndarray) or x is not None and not hasattr(x, "data") for n, x in arrays.items()
            if n != "cache_seqlens"):  # fmt: skip
         return None
     import cupy

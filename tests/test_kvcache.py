@@ -374,6 +374,17 @@ def test_choose_splits_fills_a_wave():
     assert choose_splits(8, 2048, H100, 6, 2) == 6  # the caller's count
 
 
+def test_numpy_bfloat16_call():
+    """The NumPy backend takes bfloat16 arrays (the signature cache must not touch their buffers)."""
+    from cupyflash import _dtypes
+
+    rng = np.random.default_rng(0)
+    q, kc, vc = (rng.standard_normal(s).astype(_dtypes.BFLOAT16) for s in ((2, 4, 1, 16), (2, 2, 8, 16), (2, 2, 8, 16)))
+    o, lse = cf.attention_with_kvcache(q, kc, vc, cache_seqlens=5)
+    want, _ = kref.attention_with_kvcache(q, kc, vc, cache_seqlens=5)
+    assert o.dtype == q.dtype and np.abs(o.astype(np.float64) - want).max() < 1e-2
+
+
 def test_kernel_keyword_checks():
     args = _args()
     with pytest.raises(ValueError, match="kernel"):
