@@ -5,10 +5,11 @@
 // block owns (batch b, KV head, split of the key range) and packs every query row that reads that KV
 // head (the Hq / Hk heads of its group times Nq rows, "GQA packing") into the M dimension of its tile:
 // each K/V byte crosses the bus once per block. K/V tiles of kBc keys arrive by 16-byte cp.async
-// (coalesced rows; a paged cache maps each key through the block table) into a two-stage ring, and the
-// tile products run on FMA units in float32: at M <= 64 rows they are far below the bandwidth's shadow
-// (ARCHITECTURE.md, "Decode"). Masks and score rules are the variant policies of attention_policy.cuh,
-// built per block for that sequence's key count.
+// (coalesced rows; a paged cache maps each key through the block table) into a ring of stages. Two kernels
+// share that plan: decode_split_mma (decode_mma.cuh, included at the end) runs the tile products on tensor
+// cores for fp16/bf16 caches; decode_split below runs them on FMA units in float32, for float32 caches (mma
+// would round their operands) and as the kernel="fma" reference. Masks and score rules are the variant
+// policies of attention_policy.cuh, built per block for that sequence's key count.
 //
 // Safety: whatever cache_seqlens, block_table and cache_batch_idx hold, every index is clamped on the
 // device (lengths to [0, capacity - n_new], pages and cache rows to their arrays), so no access leaves
@@ -408,3 +409,6 @@ __global__ void merge_states(const TIn* __restrict__ o_parts, const float* __res
 }
 
 }  // namespace cupyflash
+
+// The tensor-core kernel for fp16/bf16 caches (decode_split_mma): it reads the definitions above.
+#include "decode_mma.cuh"

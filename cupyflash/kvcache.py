@@ -54,7 +54,7 @@ def attention_with_kvcache(
     cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
     rotary_cos: Any = None, rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0,
-    validate: bool = False,
+    kernel: str = "auto", validate: bool = False,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Attention of new query rows against a KV cache, appending new keys/values in place first (decode).
 
@@ -79,6 +79,9 @@ def attention_with_kvcache(
             instead of halves (j, j + rotary_dim / 2) (GPT-NeoX).
         num_splits: key-range splits of the CUDA kernel (0: automatic, 1: none); the result does not depend
             on it beyond rounding.
+        kernel: the CUDA decode kernel: ``"auto"`` (tensor cores for float16/bfloat16 caches, FMA units for
+            float32), ``"mma"`` (tensor cores; 16-bit dtypes only) or ``"fma"`` (the float32-arithmetic kernel,
+            any dtype: a reference point for tests and benchmarks). NumPy arrays take only ``"auto"``.
         validate: check the contents of cache_seqlens, block_table and cache_batch_idx (one device-to-host
             copy) and raise ValueError for an out-of-range value. Without it, values are the caller's
             contract (as in FlashAttention): out-of-range ones give wrong results but never an access outside
@@ -93,7 +96,7 @@ def attention_with_kvcache(
     keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                     causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                    num_splits=num_splits)  # fmt: skip
+                    num_splits=num_splits, kernel=kernel)  # fmt: skip
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                   block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks,
                   rotary_cos=rotary_cos, rotary_sin=rotary_sin)  # fmt: skip
@@ -109,7 +112,7 @@ def attention_with_kvcache(
     if p.xp == "numpy":
         o, lse = kvcache_reference.attention_with_kvcache(q, k_cache, v_cache, k, v, **keywords)
         return o.astype(p.dtype), lse.astype(np.float32)
-    prep = _prepare(p, arrays, int(num_splits))
+    prep = _prepare(p, arrays, int(num_splits), kernel)
     if key is not None:
         _prepared[key] = prep
     return _launch(prep, arrays)
@@ -147,7 +150,8 @@ def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None
     only: its value is range-checked per call, so a decode loop does not grow the cache."""
     from .cuda_backend import _key_of
 
-    if any(x is not None and not hasattr(x, "data") or isinstance(x, np.ndarray) for n, x in arrays.items()
+    # (NumPy first: hasattr(x, "data") raises for a bfloat16 ndarray, whose buffer has no format code)
+    if any(isinstance(x, np.ndarray) or x is not None and not hasattr(x, "data") for n, x in arrays.items()
            if n != "cache_seqlens"):  # fmt: skip
         return None
     import cupy
@@ -168,7 +172,7 @@ def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
                          f"{p.n_new} new)")  # fmt: skip
 
 
-def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int) -> _Prepared:
+def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int, kernel: str = "auto") -> _Prepared:
     """The static part of a call: plan and DecodeParams without pointers (raises for what the kernel cannot run)."""
     from .kernels import decode
     from .plans import DeviceLimits
@@ -179,7 +183,7 @@ def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int) -> _Pre
         reason = "the decode kernel reads 16-byte rows: k_cache/v_cache need 16-byte aligned rows (base and strides)"
     if reason is not None:
         raise ValueError(reason)
-    plan = decode.plan(p, DeviceLimits.current(), num_splits)
+    plan = decode.plan(p, DeviceLimits.current(), num_splits, kernel)
     rec = np.zeros((), decode.DECODE_PARAMS)
     a = rec["attn"]
     a["q_s"] = _elems(q)

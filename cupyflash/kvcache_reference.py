@@ -86,16 +86,17 @@ def attention_with_kvcache(
     q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any, block_table: Any = None,
     cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None, window_size: Any = None,
     softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, rotary_cos: Any = None,
-    rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0,
+    rotary_sin: Any = None, rotary_interleaved: bool = False, num_splits: int = 0, kernel: str = "auto",
 ) -> tuple[Any, Any]:  # fmt: skip
     """float64 ``(o, lse)`` of ``cupyflash.attention_with_kvcache`` on NumPy arrays; appends k/v to the
     caches in place first (k rotated to its positions with rotary_cos/sin, then rounded to the cache's dtype; q
-    rotated too and rounded to its dtype). ``num_splits`` changes nothing here (it is a kernel's schedule)."""
+    rotated too and rounded to its dtype). ``num_splits`` changes nothing here (it is a kernel's schedule); ``kernel`` must be "auto" (NumPy
+    arrays run no CUDA kernel)."""
     p = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                       cache_batch_idx=cache_batch_idx, causal=causal, scale=scale, window_size=window_size,
                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, rotary_cos=rotary_cos,
                       rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-                      allow_float64=True)  # fmt: skip
+                      kernel=kernel, allow_float64=True)  # fmt: skip
     cached = seqlens_of(p, cache_seqlens)
     if p.rotary_dim:
         q_pos = cached[:, None] + np.arange(p.nq)[None, :] * p.rotary_q_step  # (B, Nq)

@@ -72,11 +72,15 @@ def _int32_array(name: str, x: Any, xp: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
 
 
+#: The decode kernels attention_with_kvcache's ``kernel`` may name (kernels/decode.py, ``plan``).
+DECODE_KERNELS = ("auto", "mma", "fma")
+
+
 def check_kvcache(
     q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None, *, cache_seqlens: Any, block_table: Any = None,
     cache_batch_idx: Any = None, causal: bool = False, scale: float | None = None, window_size: Any = None,
     softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
-    rotary_interleaved: bool = False, num_splits: Any = 0, allow_float64: bool = False,
+    rotary_interleaved: bool = False, num_splits: Any = 0, kernel: Any = "auto", allow_float64: bool = False,
 ) -> KVCacheProblem:  # fmt: skip
     """Check every argument of ``attention_with_kvcache``; raise TypeError/ValueError naming it."""
     xp = common_kind(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -174,6 +178,11 @@ def check_kvcache(
             raise ValueError(f"rotary_cos must cover every cache position: {rotary_rows} rows < {capacity} keys")
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic, 1: no split); got {num_splits!r}")
+    if not isinstance(kernel, str) or kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}; got {kernel!r}")
+    if kernel != "auto" and xp == "numpy":
+        raise TypeError(f"kernel={kernel!r} names a CUDA decode kernel; NumPy arrays run the NumPy backend "
+                        "(pass CuPy arrays, or leave kernel='auto')")  # fmt: skip
     variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None)
     return KVCacheProblem(b, hq, hk, nq, d, n_new, paged, page_size, num_pages, pages_per_seq, seqlen_const, dtype,
                           variant, float(scale), xp, rotary_dim, bool(rotary_interleaved), rotary_rows)  # fmt: skip

@@ -69,6 +69,30 @@ def main() -> int:
                 print(f"linear   {str(dtype):8s} mask={mask} causal={causal} decay={decay} n={n}: "
                       f"{'ok' if finite else 'NON-FINITE'}")
                 bad += not finite
+    # KV-cache decode (issue 15): both decode kernels, a contiguous and two paged caches (a page size that is no
+    # power of two), 4 and 20 packed rows, a split and none, the variant policies; every cache slot past the
+    # sequences holds random data, so a read outside a sequence's keys shows up here as well as in memcheck.
+    for kernel, dtype in [("mma", _dtypes.FLOAT16), ("mma", _dtypes.BFLOAT16), ("fma", _dtypes.BFLOAT16),
+                          ("auto", np.dtype(np.float32))]:  # fmt: skip
+        for page, nq, d, splits in [(None, 1, 128, 0), (3, 5, 40, 3), (16, 1, 64, 1)]:
+            b, hq, hk, cap = 3, 8, 2, 96
+            shape = (b, hk, cap, d) if page is None else (b * cap // page + 2, hk, page, d)
+            kc = cupy.asarray(rng.standard_normal(shape).astype(dtype))
+            vc = cupy.asarray(rng.standard_normal(shape).astype(dtype))
+            table = None if page is None else cupy.asarray(
+                rng.permutation(shape[0])[: b * cap // page].reshape(b, cap // page).astype(np.int32))
+            q = cupy.asarray(rng.standard_normal((b, hq, nq, d)).astype(dtype))
+            kn = cupy.asarray(rng.standard_normal((b, hk, nq, d)).astype(dtype))
+            lens = cupy.asarray(np.array([0, 41, cap - nq], np.int32))
+            for label, kw in (("plain", {}), ("variants", dict(causal=True, window_size=(30, 0), softcap=20.0,
+                                                                alibi_slopes=cupy.asarray(rng.random(hq).astype(np.float32)),
+                                                                sinks=cupy.asarray(rng.standard_normal(hq).astype(np.float32))))):  # fmt: skip
+                o, lse = cupyflash.attention_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=lens, block_table=table,
+                                                          num_splits=splits, kernel=kernel, **kw)  # fmt: skip
+                finite = bool(cupy.isfinite(o.astype(np.float32)).all())
+                print(f"decode {kernel:4s} {str(dtype):8s} page={page} nq={nq} d={d} splits={splits} {label}: "
+                      f"{'ok' if finite else 'NON-FINITE'}")
+                bad += not finite
     cupy.cuda.Device().synchronize()
     return 1 if bad else 0
 

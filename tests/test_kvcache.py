@@ -323,6 +323,76 @@ def test_plans_for_the_issue_shapes(shape):
     assert pl.append is None
 
 
+@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 4), ((64, 1, 4096), 1), ((1, 1, 131072), 33),
+                                           ((128, 1, 1024), 1), ((8, 16, 32768), 4)])  # fmt: skip
+def test_mma_plans_for_the_issue_shapes(shape, splits):
+    """bf16 runs the tensor-core kernel: one 16-row strip at Nq = 1 (4 packed rows), four at Nq = 16 (64 rows), a
+    three-stage ring with two blocks per H100 SM, and splits that fill one wave of 2 x 132 resident blocks."""
+    from cupyflash.kernels import decode
+    from cupyflash.plans import H100
+
+    b, nq, cap = shape
+    pl = decode.plan(_problem(b=b, nq=nq, cap=cap, dtype="bf16"), H100)
+    assert pl.kernel == "mma" and "decode_split_mma<__nv_bfloat16, 128, " in pl.decode.name
+    assert (pl.km, pl.stages, pl.splits) == (16 if nq == 1 else 64, 3, splits)
+    assert pl.decode.shared_bytes == decode.mma_smem_bytes(128, pl.km // 16, 3) <= H100.max_shared_per_block
+    assert decode.blocks_per_sm(pl.decode.shared_bytes, H100) == 2 and pl.decode.max_carveout
+    assert b * 8 * pl.splits <= 2 * H100.sm_count or pl.splits == 1
+
+
+def test_kernel_choice():
+    """float32 caches take the FMA kernel (mma would round its operands), 16-bit ones tensor cores; "fma" forces
+    the FMA kernel, "mma" refuses float32; D = 256 on a 99 KB part falls back to the FMA kernel."""
+    from cupyflash.kernels import decode
+    from cupyflash.plans import A100, H100, RTX4090
+
+    assert decode.plan(_problem(dtype=np.float32), H100).kernel == "fma"
+    assert decode.plan(_problem(), H100).kernel == "mma"
+    forced = decode.plan(_problem(), H100, kernel="fma")
+    assert forced.kernel == "fma" and "decode_split<__half, 128, 4, 64" in forced.decode.name
+    with pytest.raises(ValueError, match="16-bit"):
+        decode.plan(_problem(dtype=np.float32), H100, kernel="mma")
+    with pytest.raises(ValueError, match="kernel"):
+        decode.plan(_problem(), H100, kernel="wgmma")
+    for limits in (A100, H100):
+        for nq in (1, 3, 16, 40):
+            for d in (24, 64, 96, 256):
+                pl = decode.plan(_problem(b=2, nq=nq, d=d, cap=4096), limits)
+                assert pl.kernel == "mma" and pl.decode.shared_bytes <= limits.max_shared_per_block
+                assert pl.km == 16 * next(w for w in (1, 2, 4) if 16 * w >= min(4 * nq, 64))
+                assert pl.m_chunks == -(-4 * nq // pl.km)
+    assert decode.plan(_problem(b=2, d=256, cap=4096), RTX4090).kernel == "fma"
+
+
+def test_choose_splits_fills_a_wave():
+    from cupyflash.kernels.decode import choose_splits
+    from cupyflash.plans import H100
+
+    assert choose_splits(8, 2048, H100, 0, 2) == 33  # 264 blocks: one full wave
+    assert choose_splits(300, 2048, H100, 0, 2) == 1  # more blocks than slots
+    assert choose_splits(8, 20, H100, 0, 2) == 5  # at least four tiles per split
+    assert choose_splits(8, 2048, H100, 6, 2) == 6  # the caller's count
+
+
+def test_numpy_bfloat16_call():
+    """The NumPy backend takes bfloat16 arrays (the signature cache must not touch their buffers)."""
+    from cupyflash import _dtypes
+
+    rng = np.random.default_rng(0)
+    q, kc, vc = (rng.standard_normal(s).astype(_dtypes.BFLOAT16) for s in ((2, 4, 1, 16), (2, 2, 8, 16), (2, 2, 8, 16)))
+    o, lse = cf.attention_with_kvcache(q, kc, vc, cache_seqlens=5)
+    want, _ = kref.attention_with_kvcache(q, kc, vc, cache_seqlens=5)
+    assert o.dtype == q.dtype and np.abs(o.astype(np.float64) - want).max() < 1e-2
+
+
+def test_kernel_keyword_checks():
+    args = _args()
+    with pytest.raises(ValueError, match="kernel"):
+        cf.attention_with_kvcache(**args, cache_seqlens=3, kernel="wgmma")
+    with pytest.raises(TypeError, match="NumPy"):
+        cf.attention_with_kvcache(**args, cache_seqlens=3, kernel="mma")
+
+
 def test_plan_respects_num_splits_and_shared_limit():
     from cupyflash.kernels import decode
     from cupyflash.plans import A100, RTX4090
@@ -380,6 +450,25 @@ def test_decode_params_layout_matches_cpp():
 
 
 @needs_nvrtc
+def test_mma_shared_bytes_match_cpp():
+    """The plan's shared-memory size of decode_split_mma is DecodeMmaSmem<...>::kBytes (through NVRTC)."""
+    from test_launch_abi import _ptx
+
+    from cupyflash.kernels import decode
+
+    configs = [(d, w, s) for d in (64, 128, 256) for w in decode.MMA_ROW_WARPS for s in decode.MMA_STAGES]
+    exprs = [f"cupyflash::DecodeMmaSmem<__half, {d}, {w}, {s}>::kBytes" for d, w, s in configs]
+    probe = ('#include "decode.cu"\nextern "C" __device__ unsigned long long cupyflash_sizes[] = {\n  '
+             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
+    ptx = _ptx(probe, [], "compute_80")
+    m = re.search(r"\.(b8|u64) cupyflash_sizes\[\d+\] = \{([^}]*)\}", ptx)
+    raw = [int(x) for x in m.group(2).split(",")]
+    if m.group(1) == "b8":
+        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
+    assert raw == [decode.mma_smem_bytes(d, w, s) for d, w, s in configs]
+
+
+@needs_nvrtc
 def test_decode_kernels_take_one_struct():
     from test_launch_abi import _ptx
 
@@ -424,7 +513,7 @@ def test_host_path_fills_decode_params(monkeypatch):
     kvcache._launch(kvcache._prepare(problem, arrays, 0), arrays)
     (append, args0), (split, args1) = seen
     assert "kv_append<__half>" in append.name and append.grid == (b, hk, 1)
-    assert "decode_split<__half, 64, 16, 64, cupyflash::Policy<cupyflash::Causal" in split.name
+    assert "decode_split_mma<__half, 64, 1, 4, cupyflash::Policy<cupyflash::Causal" in split.name
     assert args0 == args1
     rec = np.frombuffer(args1, decode.DECODE_PARAMS)[0]
     assert rec["kc_s"].tolist() == (page * hk * d, d, hk * d)  # element strides of the transposed view

@@ -1,5 +1,10 @@
 """GPU accuracy of KV-cache attention (issue 15) and of merge_attention_states, against the float64 reference.
 
+Kernels: float16/bfloat16 cases run the tensor-core kernel (decode_split_mma) unless the spec says
+kernel="fma"; float32 cases run the FMA kernel (decode_split). The mma cases cover its three warp layouts
+(M <= 16 packed rows: 4 key-split warps; M <= 32: 2 x 2; M <= 64: 4 row strips), D = 64/128/256 (Q fragments in
+registers, and reloaded at 256) and page sizes that are and are not powers of two.
+
 Every case: random cache_seqlens including 0 and the full cache, 0/1/several new keys appended in place,
 contiguous or paged caches (shuffled block tables, page sizes 1/16/64/256), GQA/MQA, the variants, split-KV
 forced on and off. The output allocations are poisoned: the memory pool is handed NaN-filled blocks of the
@@ -35,8 +40,9 @@ def _poison(*shapes_dtypes):
     del blocks
 
 
-# (id, (B, Hq, Hk, Nq, capacity, Nnew, page_size or None, D), spec, dtype, num_splits). The cases share ten
-# decode_split instantiations (dtype, padded D, row tile, policy) so that the file's compiles stay short.
+# (id, (B, Hq, Hk, Nq, capacity, Nnew, page_size or None, D), spec, dtype, num_splits). spec may name the kernel
+# ("mma", "fma"; default "auto"). The cases share few instantiations (dtype, padded D, row tile, policy) so that
+# the file's compiles stay short.
 CASES = [
     ("mha-contig-nnew0-d64", (3, 4, 4, 1, 300, 0, None, 64), {}, "bfloat16", 0),
     ("gqa-contig-nnew1", (4, 8, 2, 1, 1000, 1, None, 128), {}, "bfloat16", 0),
@@ -61,6 +67,18 @@ CASES = [
     ("rotary-interleaved-partial-f32", (2, 4, 2, 2, 200, 2, None, 64), dict(rotary="interleaved", rotary_dim=32),
      "float32", 0),
     ("rotary-interleaved-window-f16", (2, 4, 1, 2, 300, 1, None, 128), dict(rotary="interleaved", window=(50, 0)),
+     "float16", 3),
+    # the tensor-core kernel's layouts and the FMA kernel forced on 16-bit caches
+    ("mma-rows32-d64-window-alibi", (2, 8, 2, 8, 400, 3, 16, 64), dict(window=(60, 5), alibi="head", kernel="mma"),
+     "bfloat16", 0),  # M = 32: 2 row strips x 2 key slices
+    ("mma-rows24-causal-nnew3", (2, 16, 2, 3, 300, 3, None, 128), dict(causal=True), "bfloat16", 0),  # 24 of 32 rows
+    ("mma-d256-spec16-causal-sinks-split", (1, 8, 2, 16, 500, 16, None, 256), dict(causal=True, sinks=True),
+     "bfloat16", 3),  # M = 64 at D = 256: Q reloaded from shared memory
+    ("mma-paged3-f16", (2, 8, 2, 1, 300, 1, 3, 128), {}, "float16", 0),  # a page size that is no power of two
+    ("mma-softcap-alibi-sinks-paged64-split", (2, 8, 2, 1, 2000, 1, 64, 128),
+     dict(softcap=30.0, alibi="batch", sinks=True), "bfloat16", 7),
+    ("fma-forced-bf16-gqa", (4, 8, 2, 1, 1000, 1, None, 128), dict(kernel="fma"), "bfloat16", 0),
+    ("fma-forced-f16-paged16-causal-split", (3, 8, 2, 4, 400, 4, 16, 128), dict(causal=True, kernel="fma"),
      "float16", 3),
 ]  # fmt: skip
 
@@ -107,7 +125,7 @@ def test_attention_with_kvcache(rng, shape, spec, dtype_name, num_splits):
     kwd = {n: _dev(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     o, lse = cf.attention_with_kvcache(cupy.asarray(q), kcd, vcd, _dev(kn), _dev(vn), cache_seqlens=cupy.asarray(lens),
                                        block_table=_dev(table), causal=causal, num_splits=num_splits, validate=True,
-                                       **kwd)  # fmt: skip
+                                       kernel=spec.get("kernel", "auto"), **kwd)  # fmt: skip
     assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == np.float32 and lse.shape == q.shape[:-1]
     o, lse = o.get().astype(np.float64), lse.get().astype(np.float64)
     kr, vr = kc.copy(), vc.copy()
@@ -150,14 +168,45 @@ def test_attention_with_kvcache(rng, shape, spec, dtype_name, num_splits):
         assert_fa_criterion(f"o[{bi}] (nk={nk})", o[bi : bi + 1], ro[bi : bi + 1], naive, dtype_name, 2)
 
 
-def test_splits_agree(rng):
-    """Automatic, no and many splits give the same result up to rounding (the merge is exact)."""
-    q, kc, vc, kn, vn, lens, table, causal, kw = _case_inputs(rng, (2, 8, 2, 1, 3000, 0, 16, 64), {}, "float32")
+@pytest.mark.parametrize("dtype_name", ["float32", "float16"])
+def test_splits_agree(rng, dtype_name):
+    """Automatic, no and many splits give the same result up to rounding (the merge is exact): float32 on the FMA
+    kernel, float16 on the tensor-core kernel (whose float32 partials differ only in rounding before the one
+    rounding to float16)."""
+    q, kc, vc, kn, vn, lens, table, causal, kw = _case_inputs(rng, (2, 8, 2, 1, 3000, 0, 16, 64), {}, dtype_name)
     args = (cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc))
     outs = [cf.attention_with_kvcache(*args, cache_seqlens=cupy.asarray(lens), block_table=cupy.asarray(table),
-                                      num_splits=s)[0].get() for s in (0, 1, 2, 17)]  # fmt: skip
+                                      num_splits=s)[0].get().astype(np.float64) for s in (0, 1, 2, 17)]  # fmt: skip
+    tol = 2e-6 if dtype_name == "float32" else 2e-3
     for o in outs[1:]:
-        np.testing.assert_allclose(o, outs[0], rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(o, outs[0], rtol=tol, atol=tol)
+
+
+def test_mma_and_fma_kernels_agree(rng):
+    """The tensor-core and FMA kernels on the same bfloat16 call (GQA, paged, causal, split): both near the float64
+    reference, and near each other (P is rounded to bfloat16 before P V on tensor cores only)."""
+    q, kc, vc, kn, vn, lens, table, causal, kw = _case_inputs(rng, (3, 32, 8, 1, 2048, 1, 16, 128),
+                                                              dict(causal=True), "bfloat16")  # fmt: skip
+    ref, _ = kref.attention_with_kvcache(q, kc.copy(), vc.copy(), kn, vn, cache_seqlens=lens, block_table=table,
+                                         causal=True)  # fmt: skip
+    outs = {}
+    for kernel in ("mma", "fma"):
+        kcd, vcd = cupy.asarray(kc), cupy.asarray(vc)  # fresh caches: the append runs again
+        o, _ = cf.attention_with_kvcache(cupy.asarray(q), kcd, vcd, cupy.asarray(kn), cupy.asarray(vn),
+                                         cache_seqlens=cupy.asarray(lens), block_table=cupy.asarray(table),
+                                         causal=True, kernel=kernel)  # fmt: skip
+        outs[kernel] = o.get().astype(np.float64)
+        assert np.abs(outs[kernel] - ref).max() <= 1e-2 * np.abs(ref).max(), kernel
+    assert np.abs(outs["mma"] - outs["fma"]).max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_kernel_keyword_errors():
+    q = cupy.zeros((1, 4, 1, 64), np.float32)
+    kc = cupy.zeros((1, 1, 32, 64), np.float32)
+    with pytest.raises(ValueError, match="16-bit"):
+        cf.attention_with_kvcache(q, kc, kc, cache_seqlens=3, kernel="mma")
+    with pytest.raises(ValueError, match="kernel"):
+        cf.attention_with_kvcache(q, kc, kc, cache_seqlens=3, kernel="wgmma")
 
 
 def test_cache_batch_idx_and_strided_cache(rng):
@@ -181,7 +230,8 @@ def test_cache_batch_idx_and_strided_cache(rng):
     assert np.abs(o.get().astype(np.float64) - ro).max() < 5e-3
 
 
-def test_out_of_range_values_stay_inside_the_arrays(rng):
+@pytest.mark.parametrize("kernel", ["mma", "fma"])
+def test_out_of_range_values_stay_inside_the_arrays(rng, kernel):
     """Garbage lengths, pages and rows give garbage results but no fault (the kernels clamp); validate=True names them."""
     b, hq, hk, page, d = 2, 8, 2, 16, 128
     kc = cupy.asarray(rng.standard_normal((4, hk, page, d)).astype(np.float16))
@@ -189,9 +239,12 @@ def test_out_of_range_values_stay_inside_the_arrays(rng):
     q = cupy.asarray(rng.standard_normal((b, hq, 1, d)).astype(np.float16))
     table = cupy.asarray(np.array([[0, 1000], [-5, 3]], np.int32))
     lens = cupy.asarray(np.array([1 << 30, -7], np.int32))
-    o, lse = cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+    o, lse = cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, kernel=kernel)
     cupy.cuda.get_current_stream().synchronize()
     assert o.shape == q.shape
+    idx = cupy.asarray(np.array([7, -3], np.int32))  # contiguous: garbage cache rows
+    o, lse = cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, kernel=kernel)
+    cupy.cuda.get_current_stream().synchronize()
     with pytest.raises(ValueError, match="cache_seqlens"):
         cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, validate=True)
 

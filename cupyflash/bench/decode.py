@@ -2,10 +2,11 @@
 
 bf16, Hq = 32 over Hk = 8, D = 128, the issue's shapes: one (or 16, speculative) query row per sequence against a
 full cache. Per shape: ``attention_with_kvcache`` (contiguous cache, then paged with page size 16 and 1), the same
-step replayed from a CUDA graph, a device-to-device copy of the same K/V bytes measured in the same run (its
-bandwidth counts the bytes read and written), and, where torch is importable, SDPA with the cuDNN and FLASH
-backends on the same memory. The floor is the K/V bytes read once at the copy's bandwidth. Times are CUDA-event
-medians after warm-up (the working sets are far larger than L2).
+step replayed from a CUDA graph, the FMA kernel forced (``kernel="fma"``, decode v1) on the contiguous cache, a
+device-to-device copy of the same K/V bytes measured in the same run (its bandwidth counts the bytes read and
+written), and, where torch is importable, SDPA with the cuDNN and FLASH backends on the same memory. The floor is
+the K/V bytes read once at the copy's bandwidth. Times are CUDA-event medians after warm-up (the working sets are
+far larger than L2).
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ def run(shapes=SHAPES, pages=(16, 1), seed: int = 0) -> list[dict[str, Any]]:
         step = lambda: cf.attention_with_kvcache(q, k, v, cache_seqlens=nk)  # noqa: E731
         row["ours_ms"] = median_ms(step)
         row["graph_ms"] = _graph_ms(step)
+        # the FMA kernel (decode v1) on the same call: the tensor-core kernel's gain, measured in the same run
+        row["fma_ms"] = median_ms(lambda: cf.attention_with_kvcache(q, k, v, cache_seqlens=nk, kernel="fma"))
         for page in pages:
             kp, vp, table = _paged(k, v, page, rng)
             lens = cupy.full((b,), nk, dtype=cupy.int32)

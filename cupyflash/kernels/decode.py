@@ -20,7 +20,7 @@ from .params import PARAMS
 
 SOURCE = "decode.cu"
 THREADS = 128
-#: Padded head dims, rows per block (query rows sharing one KV head), keys per tile.
+#: Padded head dims; the FMA kernel's rows per block (query rows sharing one KV head) and keys per tile.
 HEAD_DIMS = (64, 128, 256)
 ROWS = (4, 8, 16, 32, 64)
 KEY_TILES = (64, 32)
@@ -41,9 +41,31 @@ DECODE_PARAMS = np.dtype(
 
 
 def smem_bytes(itemsize: int, kd: int, km: int, kbc: int) -> int:
-    """sizeof(DecodeSmem<T, kD, kM, kBc>): q and s tiles (f32), three row vectors, two stages of K and V."""
+    """sizeof(DecodeSmem<T, kD, kM, kBc>) of the FMA kernel: q and s tiles (f32), three row vectors, two stages
+    of K and V."""
     pitch = kd + 16 // itemsize
     return 4 * (km * kd + km * kbc + 3 * km) + 2 * 2 * kbc * pitch * itemsize
+
+
+#: The tensor-core kernel (decode_split_mma): keys per tile, row tiles (16 x 1, 2 or 4 warp strips), stages.
+MMA_KEY_TILE = 64
+MMA_ROW_WARPS = (1, 2, 4)
+MMA_STAGES = (4, 3, 2)
+
+
+def mma_smem_bytes(kd: int, row_warps: int, stages: int) -> int:
+    """DecodeMmaSmem<T, kD, kRowWarps, kStages>::kBytes (16-bit T): Q and the K/V ring, or the combine buffer
+    (each warp's 16 x (kD + 8) float32 O, m and l) that reuses them after the loop."""
+    loop = 2 * (16 * row_warps * kd + 2 * stages * MMA_KEY_TILE * kd)
+    warps = THREADS // 32
+    epilogue = 4 * (warps * 16 * (kd + 8) + 2 * warps * 16)
+    return max(loop, epilogue)
+
+
+def blocks_per_sm(shared: int, limits: DeviceLimits) -> int:
+    """Resident blocks per SM by shared memory (the SM holds the per-block opt-in maximum plus 1 KB, and each
+    block costs 1 KB of reserve: 228 KB and 227 KB on an H100, 164 and 163 on an A100), at most 4."""
+    return max(1, min(4, (limits.max_shared_per_block + 1024) // (shared + 1024)))
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,8 @@ class DecodePlan:
     decode: LaunchPlan
     append: LaunchPlan | None
     rotate_q: LaunchPlan | None = None
+    kernel: str = "fma"  # "mma" (decode_split_mma) or "fma" (decode_split)
+    stages: int = 2
 
 
 def unsupported(p: KVCacheProblem) -> str | None:
@@ -68,20 +92,29 @@ def unsupported(p: KVCacheProblem) -> str | None:
     return None
 
 
-def choose_splits(blocks: int, tiles: int, limits: DeviceLimits, num_splits: int) -> int:
-    """Split the key range when (B, Hk, row chunks) blocks cannot fill the GPU: about two blocks per SM,
-    at least four key tiles per split, at most 128 splits (a static function of shapes: the workspace is
-    sized from it)."""
+def choose_splits(blocks: int, tiles: int, limits: DeviceLimits, num_splits: int, per_sm: int = 2) -> int:
+    """Split the key range when the (B, Hk, row chunks) blocks cannot fill the GPU's ``sm_count * per_sm`` resident
+    slots. The split count minimises a wave model, waves x (tiles per split + 2 for the prologue and epilogue),
+    over 1..128 splits of at least four key tiles each: at small B * Hk it fills one wave exactly (B = 1, Hk = 8,
+    264 slots: 33 splits) instead of leaving a second wave a fifth full. A static function of shapes: the
+    workspace is sized from it."""
     if num_splits > 0:
         return max(1, min(num_splits, tiles, 1024))
-    if blocks >= limits.sm_count:
+    slots = limits.sm_count * per_sm
+    if blocks >= slots:
         return 1
-    return max(1, min(cdiv(2 * limits.sm_count, blocks), cdiv(tiles, 4), 128))
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(128, cdiv(tiles, 4))) + 1):
+        cost = cdiv(blocks * s, slots) * (cdiv(tiles, s) + 2)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def _tile(itemsize: int, kd: int, km: int, limits: DeviceLimits) -> tuple[int, int]:
-    """(rows, keys) per tile: the most rows (up to km) and then the most keys whose shared memory fits; 32 keys
-    at D = 256 (its 128 threads own two columns each, and a 64-key tile would cost twice the shared memory)."""
+    """(rows, keys) per tile of the FMA kernel: the most rows (up to km) and then the most keys whose shared
+    memory fits; 32 keys at D = 256 (its 128 threads own two columns each, and a 64-key tile would cost twice
+    the shared memory)."""
     for rows in [r for r in reversed(ROWS) if r <= km]:
         for keys in (KEY_TILES[1:] if kd == 256 else KEY_TILES):
             if smem_bytes(itemsize, kd, rows, keys) <= limits.max_shared_per_block:
@@ -90,24 +123,58 @@ def _tile(itemsize: int, kd: int, km: int, limits: DeviceLimits) -> tuple[int, i
                      f"memory at D = {kd}; the device allows {limits.max_shared_per_block}")
 
 
-def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0) -> DecodePlan:
-    """Tile configuration, split count and launches of one call (pure: shapes and device limits only)."""
+def _mma_tile(kd: int, m_rows: int, limits: DeviceLimits) -> tuple[int, int] | None:
+    """(row warps, stages) of the tensor-core kernel, or None where even two stages do not fit. Rows: one 16-row
+    strip up to 16 packed rows (the Nq = 1 shapes; its warps split the keys), 2 up to 32, else 4 (64-row chunks).
+    Stages: the deepest ring (4, 3, 2) with two blocks per SM, else the deepest that fits one block."""
+    row_warps = next((w for w in MMA_ROW_WARPS if 16 * w >= m_rows), MMA_ROW_WARPS[-1])
+    fits = [s for s in MMA_STAGES if mma_smem_bytes(kd, row_warps, s) <= limits.max_shared_per_block]
+    if not fits:
+        return None
+    two = [s for s in fits if blocks_per_sm(mma_smem_bytes(kd, row_warps, s), limits) >= 2]
+    return row_warps, (two or fits)[0]
+
+
+def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: str = "auto") -> DecodePlan:
+    """Tile configuration, split count and launches of one call (pure: shapes and device limits only).
+
+    The kernel: fp16/bf16 caches run ``decode_split_mma`` (tensor cores: S = QK^T and PV as m16n8k16 products
+    of 16-bit operands, exact for these inputs); float32 caches run the FMA kernel ``decode_split``, since mma
+    with float32 operands would round them (tf32) and break the float32 accuracy bound. kernel="fma" forces the
+    FMA kernel for 16-bit caches too (tests and benchmarks compare the two); "mma" insists on tensor cores.
+    """
+    if kernel not in ("auto", "mma", "fma"):
+        raise ValueError(f"kernel must be 'auto', 'mma' or 'fma'; got {kernel!r}")
     ctype = _dtypes.CTYPE[p.dtype]
     kd = next(x for x in HEAD_DIMS if x >= p.d)
     m_rows = p.group * p.nq
-    km, kbc = _tile(p.dtype.itemsize, kd, next((x for x in ROWS if x >= m_rows), ROWS[-1]), limits)
+    mma_tile = _mma_tile(kd, m_rows, limits) if p.dtype.itemsize == 2 and kernel != "fma" else None
+    if kernel == "mma" and mma_tile is None:
+        raise ValueError(f"the tensor-core decode kernel needs a 16-bit dtype and {mma_smem_bytes(kd, 1, 2)} bytes "
+                         f"of shared memory at D = {kd}; got {p.dtype}, {limits.max_shared_per_block} bytes")
+    if mma_tile is not None:
+        row_warps, stages = mma_tile
+        km, kbc = 16 * row_warps, MMA_KEY_TILE
+        shared = mma_smem_bytes(kd, row_warps, stages)
+        name = f"cupyflash::decode_split_mma<{ctype}, {kd}, {row_warps}, {stages}, {p.variant.cpp_policy}>"
+        used = "mma"
+    else:
+        km, kbc = _tile(p.dtype.itemsize, kd, next((x for x in ROWS if x >= m_rows), ROWS[-1]), limits)
+        shared = smem_bytes(p.dtype.itemsize, kd, km, kbc)
+        name = f"cupyflash::decode_split<{ctype}, {kd}, {km}, {kbc}, {p.variant.cpp_policy}>"
+        stages, used = 2, "fma"
     m_chunks = cdiv(m_rows, km)
-    shared = smem_bytes(p.dtype.itemsize, kd, km, kbc)
-    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits)
-    name = f"cupyflash::decode_split<{ctype}, {kd}, {km}, {kbc}, {p.variant.cpp_policy}>"
-    decode = LaunchPlan(SOURCE, name, (p.batch, p.hk * m_chunks, splits), (THREADS, 1, 1), shared)
+    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits,
+                           blocks_per_sm(shared, limits))  # fmt: skip
+    # the largest carveout: the plan counts on blocks_per_sm blocks' shared memory per SM
+    decode = LaunchPlan(SOURCE, name, (p.batch, p.hk * m_chunks, splits), (THREADS, 1, 1), shared, max_carveout=True)
     append = None
     if p.n_new:
         append = LaunchPlan(SOURCE, f"cupyflash::kv_append<{ctype}>", (p.batch, p.hk, 1), (THREADS, 1, 1), 0)
     rotate = None
     if p.rotary_dim:
         rotate = LaunchPlan(SOURCE, f"cupyflash::rotate_q<{ctype}>", (p.batch, p.hq, 1), (THREADS, 1, 1), 0)
-    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append, rotate)
+    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append, rotate, used, stages)
 
 
 def merge_name(tin: np.dtype, tout: np.dtype) -> str:
@@ -115,21 +182,27 @@ def merge_name(tin: np.dtype, tout: np.dtype) -> str:
 
 
 def instantiations() -> list[tuple[str, str]]:
-    """A representative set for CI (tests/test_compile.py; ~6 decode kernels per architecture): the smallest and
-    largest row tiles, the 32-key tile of D = 256, the variant policies (a mask, and a window with the score
-    mod) at the issue's shape (D = 128, 16 rows), float32 and bfloat16 (float16 is the same code), and the
-    append and merge kernels."""
+    """A representative set for CI (tests/test_compile.py): the tensor-core kernel at its three row layouts
+    (M <= 16 key-split warps, 2 x 2, 4 row strips), every D (Q fragments in registers up to D = 128, reloaded
+    at 256) and ring depth the H100 plan picks, the variant policies (a mask; a window with the score mod) and
+    both 16-bit types; the FMA kernel (float32 caches) at its smallest and largest row tiles and its 32-key D = 256
+    tile with a variant; and the append, rotary and merge kernels."""
     from ..variants import Variant
 
     plain = Variant().cpp_policy
-    split = "cupyflash::decode_split"
+    causal = Variant(causal=True).cpp_policy
+    mixed = Variant(window=(8, 8), softcap=30.0).cpp_policy
+    mma = "cupyflash::decode_split_mma"
+    fma = "cupyflash::decode_split"
     out = [
-        f"{split}<__nv_bfloat16, 128, 4, 64, {plain}>",
-        f"{split}<__nv_bfloat16, 128, 64, 64, {plain}>",
-        f"{split}<__nv_bfloat16, 256, 16, 32, {plain}>",
-        f"{split}<__nv_bfloat16, 128, 16, 64, {Variant(causal=True).cpp_policy}>",
-        f"{split}<__nv_bfloat16, 128, 16, 64, {Variant(window=(8, 8), softcap=30.0).cpp_policy}>",
-        f"{split}<float, 128, 16, 64, {plain}>",
+        f"{mma}<__nv_bfloat16, 128, 1, 3, {plain}>",
+        f"{mma}<__nv_bfloat16, 128, 4, 3, {plain}>",
+        f"{mma}<__nv_bfloat16, 128, 1, 3, {causal}>",
+        f"{mma}<__half, 64, 2, 4, {mixed}>",
+        f"{mma}<__nv_bfloat16, 256, 4, 2, {mixed}>",
+        f"{fma}<float, 128, 4, 64, {plain}>",
+        f"{fma}<float, 128, 64, 64, {causal}>",
+        f"{fma}<float, 256, 16, 32, {mixed}>",
     ]
     out += [f"cupyflash::{k}<{t}>" for k in ("kv_append", "rotate_q") for t in ("float", "__half", "__nv_bfloat16")]
     out += [f"cupyflash::merge_states<float, {t}>" for t in ("float", "__half", "__nv_bfloat16")]
