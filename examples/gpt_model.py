@@ -508,6 +508,23 @@ class GPT:
         return loss
 
 
+def save_params(path: Any, cfg: GPTConfig, flat: Array) -> None:
+    """The flat parameter buffer and the configuration in one .npz file (host copies)."""
+    host = flat.get() if hasattr(flat, "get") else np.asarray(flat)
+    np.savez(path, params=host, config=np.array([cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model]))
+
+
+def load_params(path: Any) -> tuple[GPTConfig, np.ndarray]:
+    """(config, flat host buffer) written by ``save_params``."""
+    with np.load(path) as f:
+        cfg = GPTConfig(*(int(x) for x in f["config"]))
+        flat = f["params"]
+    expected = sum(math.prod(s) for s in param_shapes(cfg).values())
+    if flat.ndim != 1 or flat.size != expected:
+        raise ValueError(f"{path}: {flat.size} parameters for a model that has {expected}")
+    return cfg, flat
+
+
 # ---------------------------------------------------------------------------- optimiser
 
 
