@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{r['decode_s'] * 1e3:.1f} ms, {tok_s:,.0f} tokens/s ({r['decode_s'] / max(1, n - 1) * 1e3:.2f} ms/step)")
     err = check_against_recompute(model, xp, prompts, r) if args.check > 0 else float("nan")
     if args.check > 0:
-        print(f"first {len(r['logits'])} positions: cached logits vs recomputed without a cache: max rel diff {err:.2e}")
+        print(f"first {len(r['logits'])} positions: cached logits vs recomputed without a cache: "
+              f"max rel diff {err:.2e}")
     print("generated:\n" + args.prompt + text)
     return {"tokens": r["tokens"], "text": text, "tokens_per_s": tok_s, "prefill_s": r["prefill_s"],
             "decode_s": r["decode_s"], "check_rel_diff": err, "n": n}  # fmt: skip

@@ -181,9 +181,8 @@ def write_seqlen_const(buffer: Any, value: int) -> None:
 class _MergeArgs(ctypes.Structure):
     """merge_states' parameters, in order, as the kernel's parameter array points at them."""
 
-    _fields_ = [("o_parts", ctypes.c_uint64), ("lse_parts", ctypes.c_uint64), ("o", ctypes.c_uint64),
-                ("lse", ctypes.c_uint64), ("sinks", ctypes.c_uint64), ("rows", ctypes.c_int64),
-                ("parts", ctypes.c_int32), ("d", ctypes.c_int32), ("nq", ctypes.c_int32), ("hq", ctypes.c_int32)]  # fmt: skip
+    _fields_ = [*((n, ctypes.c_uint64) for n in ("o_parts", "lse_parts", "o", "lse", "sinks")), ("rows", ctypes.c_int64),
+                *((n, ctypes.c_int32) for n in ("parts", "d", "nq", "hq"))]
 
 
 class MergeLaunch:
