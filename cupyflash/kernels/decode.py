@@ -181,8 +181,8 @@ def write_seqlen_const(buffer: Any, value: int) -> None:
 class _MergeArgs(ctypes.Structure):
     """merge_states' parameters, in order, as the kernel's parameter array points at them."""
 
-    _fields_ = [*((n, ctypes.c_uint64) for n in ("o_parts", "lse_parts", "o", "lse", "sinks")), ("rows", ctypes.c_int64),
-                *((n, ctypes.c_int32) for n in ("parts", "d", "nq", "hq"))]
+    _fields_ = [*((n, ctypes.c_uint64) for n in ("o_parts", "lse_parts", "o", "lse", "sinks")),
+                ("rows", ctypes.c_int64), *((n, ctypes.c_int32) for n in ("parts", "d", "nq", "hq"))]
 
 
 class MergeLaunch:
