@@ -3,6 +3,7 @@ the log-sum-exp merge of partial attention results. The array type picks the bac
 arrays run cuda_src/decode.cu, NumPy arrays run ``kvcache_reference`` (float64, rounded once)."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -93,29 +94,31 @@ def attention_with_kvcache(
     Forward only. Everything the CUDA path allocates is sized from the shapes alone and it never
     synchronises with the host (without ``validate``), so a decode step can be captured in a CUDA graph.
     """
+    # The arrays in the order _launch takes them.
+    arrays = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, sinks,
+              rotary_cos, rotary_sin)  # fmt: skip
+    key = None
+    if not validate:
+        key = _signature(arrays, (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel))
+        prep = None if key is None else _prepared.get(key)
+        if prep is not None:  # a CuPy call whose signature passed the checks before
+            if prep.p.seqlen_const is not None:
+                _check_seqlen_const(prep.p, cache_seqlens)
+            return _launch(prep, *arrays)
     keywords = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                     causal=causal, scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     sinks=sinks, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                     num_splits=num_splits, kernel=kernel)  # fmt: skip
-    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                  block_table=block_table, cache_batch_idx=cache_batch_idx, alibi=alibi_slopes, sinks=sinks,
-                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)  # fmt: skip
-    key = None if validate else _signature(arrays, keywords)
-    prep = None if key is None else _prepared.get(key)
-    if prep is not None:  # a CuPy call whose signature passed the checks before
-        if prep.p.seqlen_const is not None:
-            _check_seqlen_const(prep.p, cache_seqlens)
-        return _launch(prep, arrays)
     p = check_kvcache(q, k_cache, v_cache, k, v, **keywords)
     if validate:
         check_values(p, cache_seqlens, block_table, cache_batch_idx)
     if p.xp == "numpy":
         o, lse = kvcache_reference.attention_with_kvcache(q, k_cache, v_cache, k, v, **keywords)
         return o.astype(p.dtype), lse.astype(np.float32)
-    prep = _prepare(p, arrays, int(num_splits), kernel)
+    prep = _prepare(p, dict(zip(ARRAY_NAMES, arrays)), int(num_splits), kernel)
     if key is not None:
         _prepared[key] = prep
-    return _launch(prep, arrays)
+    return _launch(prep, *arrays)
 
 
 # ---------------------------------------------------------------------------- the CUDA path
@@ -129,41 +132,97 @@ def _rows_aligned(x: Any) -> bool:
     return x.data.ptr % 16 == 0 and all(n <= 1 or s % 16 == 0 for n, s in zip(x.shape[:3], x.strides[:3]))
 
 
+#: The arrays of a call, in the order ``_launch`` takes them (``alibi`` is ``alibi_slopes``).
+ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "cache_batch_idx", "alibi",
+               "sinks", "rotary_cos", "rotary_sin")  # fmt: skip
+
+#: Pointers written per call into the append and decode launches' DecodeParams (rotary ones only with rotary).
+CALL_POINTERS = ("attn.q", "attn.o", "attn.lse", "attn.alibi", "attn.sinks", "k_new", "v_new", "k_cache", "v_cache",
+                 "cache_seqlens", "block_table", "cache_batch_idx", "o_part", "lse_part")  # fmt: skip
+ROTARY_POINTERS = ("rotary_cos", "rotary_sin", "q_rot")
+
 _workspace: dict[tuple, tuple[Any, Any]] = {}
 
 
 class _Prepared:
-    """A checked signature: the problem, its plan and the DecodeParams bytes without the array pointers."""
+    """A checked signature made ready for repeated calls: the problem, its plan, the static DecodeParams bytes,
+    and the launches (``build.Launch``, each with its own argument buffer; the merge as ``decode.MergeLaunch``)
+    whose pointers are written in place per call. The split-KV workspace is looked up once per stream."""
 
-    __slots__ = ("p", "plan", "record")
+    __slots__ = ("p", "plan", "record", "rotate", "append", "decode", "merge", "pointers", "write_const", "workspace")
 
     def __init__(self, p: KVCacheProblem, plan: Any, record: np.ndarray):
+        from .kernels import build, decode
+
         self.p, self.plan, self.record = p, plan, record
+        rotary = plan.rotate_q is not None
+        names = CALL_POINTERS + (ROTARY_POINTERS if rotary else ())
+        self.pointers = decode.PointerWriter(names)
+        self.write_const = decode.write_seqlen_const  # an int cache_seqlens, per call
+        self.rotate = self.append = self.merge = None
+        base = record.tobytes()
+        if rotary:  # rotate_q reads q as given; the decode kernel reads the rotated dense copy
+            self.rotate = build.Launch(plan.rotate_q, base)
+            dense = record.copy()
+            dense["attn"]["q_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)
+            base = dense.tobytes()
+        if plan.append is not None:
+            self.append = build.Launch(plan.append, base)
+        self.decode = build.Launch(plan.decode, base)
+        if plan.splits > 1:
+            rows = p.batch * p.hq * p.nq
+            self.merge = decode.MergeLaunch(_FLOAT32, p.dtype, rows, plan.splits, p.d, p.nq, p.hq)
+        self.workspace: dict[int, tuple[int, int, Any]] = {}  # stream -> (o_part, lse_part pointers, arrays)
+
+    def workspace_for(self, stream: int) -> tuple[int, int]:
+        """The split-KV partials' pointers on ``stream`` (0, 0 without splits): static size, cached per device,
+        stream and shape, so a captured CUDA graph keeps using the same memory."""
+        got = self.workspace.get(stream)
+        if got is None:
+            if self.merge is None:
+                got = (0, 0, None)
+            else:
+                import cupy
+
+                pl, rows = self.plan, self.p.batch * self.p.hq * self.p.nq
+                wkey = (cupy.cuda.runtime.getDevice(), stream, pl.splits, rows, self.p.d)
+                ws = _workspace.get(wkey)
+                if ws is None:
+                    ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, self.p.d), _FLOAT32),
+                                             cupy.empty((pl.splits, rows), _FLOAT32))  # fmt: skip
+                got = (ws[0].data.ptr, ws[1].data.ptr, ws)
+            self.workspace[stream] = got
+        return got[0], got[1]
 
 
 _prepared: dict[tuple, _Prepared] = {}
 
+# A signature's launches share their argument buffers: one thread writes and queues them at a time.
+_launching = threading.Lock()
 
-def _signature(arrays: dict[str, Any], keywords: dict[str, Any]) -> tuple | None:
+
+def _signature(arrays: tuple, scalars: tuple) -> tuple | None:
     """Everything the checks and the plan read (array kinds, dtypes, shapes, strides, alignment, keyword values,
-    the device), or None for calls that are not all CuPy (not cached). An int cache_seqlens enters by kind
-    only: its value is range-checked per call, so a decode loop does not grow the cache."""
-    from .cuda_backend import _key_of
+    the device), or None for calls that are not all CuPy (not cached). ``arrays`` in ``ARRAY_NAMES`` order,
+    ``scalars`` = (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens
+    enters by kind only: its value is range-checked per call, so a decode loop does not grow the cache."""
+    from .cuda_backend import _array_key, _key_of
 
-    # (NumPy first: hasattr(x, "data") raises for a bfloat16 ndarray, whose buffer has no format code)
-    if any(isinstance(x, np.ndarray) or x is not None and not hasattr(x, "data") for n, x in arrays.items()
-           if n != "cache_seqlens"):  # fmt: skip
-        return None
+    seqlens = arrays[5]
+    int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
+    keys: list[Any] = []
+    for i, x in enumerate(arrays):
+        if x is None:
+            keys.append(None)
+        elif i == 5 and int_len:
+            keys.append("int")
+        elif isinstance(x, np.ndarray) or not hasattr(x, "data"):
+            return None
+        else:
+            keys.append(_array_key(x))
     import cupy
 
-    seqlens = keywords["cache_seqlens"]
-    int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
-    if not int_len and (isinstance(seqlens, np.ndarray) or not hasattr(seqlens, "data")):
-        return None
-    kw = tuple((n, _key_of(x)) for n, x in keywords.items()
-               if n not in ("cache_seqlens", "alibi_slopes", "sinks", "rotary_cos", "rotary_sin"))  # fmt: skip
-    return (cupy.cuda.runtime.getDevice(), "int" if int_len else _key_of(seqlens), kw,
-            *(_key_of(x) for n, x in arrays.items() if n != "cache_seqlens"))  # fmt: skip
+    return (cupy.cuda.runtime.getDevice(), *keys, *[_key_of(x) for x in scalars])
 
 
 def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
@@ -173,7 +232,8 @@ def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
 
 
 def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int, kernel: str = "auto") -> _Prepared:
-    """The static part of a call: plan and DecodeParams without pointers (raises for what the kernel cannot run)."""
+    """The static part of a call: plan, DecodeParams without pointers, and the launches made ready (raises for what
+    the kernel cannot run)."""
     from .kernels import decode
     from .plans import DeviceLimits
 
@@ -213,49 +273,45 @@ def _ptr(x: Any) -> int:
     return 0 if x is None else x.data.ptr
 
 
-def _launch(prep: _Prepared, arrays: dict[str, Any]) -> tuple[Any, Any]:
-    """Allocate o and lse, write this call's pointers (and an int cache_seqlens) into the cached bytes, launch."""
+def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any,
+            block_table: Any, cache_batch_idx: Any, alibi: Any, sinks: Any, rotary_cos: Any,
+            rotary_sin: Any) -> tuple[Any, Any]:  # fmt: skip
+    """Allocate o and lse, write this call's pointers (and an int cache_seqlens) into the launches' own buffers,
+    queue them. Nothing is converted or rebuilt per call."""
     import cupy
 
-    from .kernels import build, decode
-
-    p, pl = prep.p, prep.plan
+    p = prep.p
     o = cupy.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
     lse = cupy.empty((p.batch, p.hq, p.nq), dtype=_FLOAT32)
     if o.size == 0:
         return o, lse
-    rec = prep.record.copy()
-    a = rec["attn"]
-    a["q"], a["o"], a["lse"] = arrays["q"].data.ptr, o.data.ptr, lse.data.ptr
-    a["alibi"], a["sinks"] = _ptr(arrays["alibi"]), _ptr(arrays["sinks"])
-    rec["k_new"], rec["v_new"] = _ptr(arrays["k"]), _ptr(arrays["v"])
-    for name in ("k_cache", "v_cache", "block_table", "cache_batch_idx"):
-        rec[name] = _ptr(arrays[name])
-    lens = arrays["cache_seqlens"]
-    if p.seqlen_const is None:
-        rec["cache_seqlens"] = lens.data.ptr
-    else:
-        rec["seqlen_const"] = int(lens)
-    rows = p.batch * p.hq * p.nq
+    stream = cupy.cuda.get_current_stream().ptr
+    o_part, lse_part = prep.workspace_for(stream)
+    o_ptr, lse_ptr, sinks_ptr = o.data.ptr, lse.data.ptr, _ptr(sinks)
+    const = p.seqlen_const is not None
+    values: tuple[int, ...] = (q.data.ptr, o_ptr, lse_ptr, _ptr(alibi), sinks_ptr, _ptr(k), _ptr(v), k_cache.data.ptr,
+                               v_cache.data.ptr, 0 if const else cache_seqlens.data.ptr, _ptr(block_table),
+                               _ptr(cache_batch_idx), o_part, lse_part)  # fmt: skip
     q_rot = None
-    if pl.rotate_q is not None:  # the decode kernel reads q rotated, from a dense copy
+    if prep.rotate is not None:
         q_rot = cupy.empty(o.shape, dtype=p.dtype)
-        rec["rotary_cos"], rec["rotary_sin"] = arrays["rotary_cos"].data.ptr, arrays["rotary_sin"].data.ptr
-        rec["q_rot"] = q_rot.data.ptr
-        build.launch_params(pl.rotate_q, rec.tobytes())
-        a["q"] = q_rot.data.ptr
-        a["q_s"] = (p.hq * p.nq * p.d, p.nq * p.d, p.d)
-    if pl.splits > 1:  # static size: cached per device, stream and shape (CUDA-graph capturable)
-        wkey = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, pl.splits, rows, p.d)
-        ws = _workspace.get(wkey)
-        if ws is None:
-            ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, p.d), _FLOAT32),
-                                     cupy.empty((pl.splits, rows), _FLOAT32))  # fmt: skip
-        rec["o_part"], rec["lse_part"] = ws[0].data.ptr, ws[1].data.ptr
-    args = rec.tobytes()
-    if pl.append is not None:
-        build.launch_params(pl.append, args)
-    build.launch_params(pl.decode, args)
-    if pl.splits > 1:
-        decode.launch_merge(ws[0], ws[1], o, lse, arrays["sinks"], rows, pl.splits, p.d, p.nq, p.hq)
+        values += (rotary_cos.data.ptr, rotary_sin.data.ptr, q_rot.data.ptr)
+    with _launching:
+        if q_rot is not None:  # rotate_q reads q as given; append and decode read the rotated dense copy
+            prep.pointers.write(prep.rotate.buffer, values)
+            if const:
+                prep.write_const(prep.rotate.buffer, int(cache_seqlens))
+            prep.rotate.fire(stream)
+            values = (q_rot.data.ptr, *values[1:])
+        for launch in (prep.append, prep.decode):
+            if launch is None:
+                continue
+            prep.pointers.write(launch.buffer, values)
+            if const:
+                prep.write_const(launch.buffer, int(cache_seqlens))
+            launch.fire(stream)
+        if prep.merge is not None:
+            m = prep.merge.args
+            m.o_parts, m.lse_parts, m.o, m.lse, m.sinks = o_part, lse_part, o_ptr, lse_ptr, sinks_ptr
+            prep.merge.fire(stream)
     return o, lse

@@ -5,12 +5,15 @@ Every layer is a pair of plain functions, ``*_forward`` returning ``(out, cache)
 CuPy, picked from the arrays themselves) so the same code trains on a GPU in float32 and is
 checked on the CPU in float64 against finite differences (tests/test_train_gpt.py).
 
-Read top to bottom: layers, the two attention cores (cupyflash and a naive one that
-materialises P), the model (parameters live in one flat buffer, as in llm.c, so AdamW and
-gradient clipping are a handful of whole-buffer operations), AdamW, and a finite-difference
-helper.
+Read top to bottom: layers, packed documents, the two attention cores (cupyflash and a naive
+one that materialises P), the model (parameters live in one flat buffer, as in llm.c, so AdamW
+and gradient clipping are a handful of whole-buffer operations), AdamW, and a
+finite-difference helper.
 
-Shapes: B batch, T sequence, C = d_model, H heads, D = C / H, V vocabulary.
+Shapes: B batch, T sequence, C = d_model, H heads, D = C / H, V vocabulary. A packed batch
+(``Packing``) is one row, B = 1, of T tokens holding several documents end to end: each token
+takes its position within its document, and attention stays inside each document
+(``cupyflash.attention_varlen_forward``/``_backward``, no padding).
 """
 from __future__ import annotations
 
@@ -35,20 +38,31 @@ def get_xp(x: Array) -> Any:
 # ---------------------------------------------------------------------------- layers
 
 
-def embedding_forward(idx: Array, wte: Array, wpe: Array) -> tuple[Array, Any]:
-    """Token plus learned position embedding: (B, T) int -> (B, T, C)."""
+def embedding_forward(idx: Array, wte: Array, wpe: Array, positions: Array | None = None) -> tuple[Array, Any]:
+    """Token plus learned position embedding: (B, T) int -> (B, T, C). Token t sits at
+    position t, or at ``positions[t]`` (its place in its document, for a packed row)."""
     T = idx.shape[1]
-    return wte[idx] + wpe[:T], idx
+    pos = wpe[:T] if positions is None else wpe[positions]
+    return wte[idx] + pos, (idx, positions)
 
 
-def embedding_backward(dout: Array, idx: Array, vocab_size: int, n_pos: int) -> tuple[Array, Array]:
-    """(dwte (V, C), dwpe (n_pos, C)). The token scatter-add is a one-hot matmul: with a
-    byte vocabulary the one-hot matrix is small, and a GEMM sums repeated tokens without
+def _onehot_sum(index: Array, n: int, rows: Array) -> Array:
+    """sum of rows (M, C) into n buckets by index (M,): a one-hot matmul. With a byte vocabulary
+    (or n_pos positions) the one-hot matrix is small, and a GEMM sums repeated indices without
     atomics, so the result is the same on every run."""
+    xp = get_xp(rows)
+    onehot = (index.reshape(-1, 1) == xp.arange(n)).astype(rows.dtype)  # (M, n)
+    return onehot.T @ rows
+
+
+def embedding_backward(dout: Array, cache: Any, vocab_size: int, n_pos: int) -> tuple[Array, Array]:
+    """(dwte (V, C), dwpe (n_pos, C))."""
     xp = get_xp(dout)
+    idx, positions = cache
     B, T, C = dout.shape
-    onehot = (idx.reshape(-1, 1) == xp.arange(vocab_size)).astype(dout.dtype)  # (B*T, V)
-    dwte = onehot.T @ dout.reshape(B * T, C)
+    dwte = _onehot_sum(idx, vocab_size, dout.reshape(B * T, C))
+    if positions is not None:
+        return dwte, _onehot_sum(xp.broadcast_to(positions, (B, T)), n_pos, dout.reshape(B * T, C))
     dwpe = xp.zeros((n_pos, C), dtype=dout.dtype)
     dwpe[:T] = dout.sum(axis=0)
     return dwte, dwpe
@@ -140,9 +154,50 @@ def cross_entropy_backward(cache: Any) -> Array:
     return dlogits.reshape(shape)
 
 
+# ---------------------------------------------------------------------------- packed documents
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Documents packed end to end in one row of T tokens (B = 1), FlashAttention's varlen layout:
+    document b owns tokens ``cu_seqlens[b]:cu_seqlens[b + 1]``. Built on the host from the
+    lengths, so ``max_seqlen`` is known without reading the device."""
+
+    cu_seqlens: Array  # int32 (n_docs + 1,), on the model's device
+    max_seqlen: int
+    positions: Array  # int64 (T,): each token's position within its document
+    segments: Array  # int32 (T,): each token's document (for the naive core's mask)
+
+    @classmethod
+    def from_lengths(cls, xp: Any, lengths: Any) -> "Packing":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0 or np.any(lengths <= 0):
+            raise ValueError(f"document lengths must be a non-empty list of positive ints; got {lengths}")
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        segments = np.repeat(np.arange(lengths.size), lengths)
+        positions = np.arange(cu[-1]) - cu[segments]
+        return cls(xp.asarray(cu.astype(np.int32)), int(lengths.max()), xp.asarray(positions),
+                   xp.asarray(segments.astype(np.int32)))  # fmt: skip
+
+    @property
+    def total(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def _packed(x: Array) -> Array:
+    """A (1, H, T, D) view as the packed layout (T, H, D) (a view)."""
+    return x[0].transpose(1, 0, 2)
+
+
+def _unpacked(x: Array) -> Array:
+    """(T, H, D) as a (1, H, T, D) view."""
+    return x.transpose(1, 0, 2)[None]
+
+
 # ---------------------------------------------------------------------------- attention cores
 # Both take q, k, v of shape (B, H, T, D) (any strides with a unit last one) and apply a
-# causal mask; forward returns (o, cache), backward returns (dq, dk, dv).
+# causal mask; forward returns (o, cache), backward returns (dq, dk, dv). With a Packing
+# (B = 1), each token attends only to the earlier tokens of its own document.
 
 
 class FlashAttention:
@@ -171,28 +226,43 @@ class FlashAttention:
             return np.dtype(np.float32)
         return np.dtype(dtype)
 
-    def forward(self, q: Array, k: Array, v: Array) -> tuple[Array, Any]:
+    def forward(self, q: Array, k: Array, v: Array, packing: Packing | None = None) -> tuple[Array, Any]:
         import cupyflash
 
         xp = get_xp(q)
         out_dtype = q.dtype
         cdt = self.compute_dtype(xp, np.dtype(q.dtype))
-        if cdt == np.float64:
+        if cdt != np.float64:
+            q, k, v = (x if x.dtype == cdt else x.astype(cdt) for x in (q, k, v))
+        if packing is not None:  # one varlen call over the whole row: no padding, no call per document
+            lib = cupyflash.reference if cdt == np.float64 else cupyflash
+            extra = {} if cdt == np.float64 else {"kernel": self.kernel}
+            cu, m = packing.cu_seqlens, packing.max_seqlen
+            o, lse = lib.attention_varlen_forward(*map(_packed, (q, k, v)), cu, cu, m, m, causal=True, **extra)
+            o = _unpacked(o)
+        elif cdt == np.float64:
             o, lse = cupyflash.reference.attention_forward(q, k, v, causal=True)
         else:
-            q, k, v = (x if x.dtype == cdt else x.astype(cdt) for x in (q, k, v))
             o, lse = cupyflash.attention_forward(q, k, v, causal=True, kernel=self.kernel)
-        return o.astype(out_dtype, copy=False), (q, k, v, o, lse, cdt)
+        return o.astype(out_dtype, copy=False), (q, k, v, o, lse, cdt, packing)
 
     def backward(self, do: Array, cache: Any) -> tuple[Array, Array, Array]:
         import cupyflash
 
-        q, k, v, o, lse, cdt = cache
+        q, k, v, o, lse, cdt, packing = cache
         out_dtype = do.dtype
-        if cdt == np.float64:
+        if cdt != np.float64:
+            do = do if do.dtype == cdt else do.astype(cdt)
+        if packing is not None:
+            lib = cupyflash.reference if cdt == np.float64 else cupyflash
+            extra = {} if cdt == np.float64 else {"kernel": self.kernel}
+            cu, m = packing.cu_seqlens, packing.max_seqlen
+            grads = lib.attention_varlen_backward(*map(_packed, (do, q, k, v, o)), lse, cu, cu, m, m, causal=True,
+                                                  **extra)  # fmt: skip
+            grads = tuple(map(_unpacked, grads))
+        elif cdt == np.float64:
             grads = cupyflash.reference.attention_backward(do, q, k, v, o, lse, causal=True)
         else:
-            do = do if do.dtype == cdt else do.astype(cdt)
             grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=True, kernel=self.kernel)
         return tuple(g.astype(out_dtype, copy=False) for g in grads)  # type: ignore[return-value]
 
@@ -216,13 +286,23 @@ class NaiveAttention:
             self._mask[key] = xp.asarray(np.triu(np.full((T, T), -np.inf), k=1).astype(dtype))
         return self._mask[key]
 
-    def forward(self, q: Array, k: Array, v: Array) -> tuple[Array, Any]:
+    @staticmethod
+    def packed_bias(packing: Packing, dtype: Any) -> Array:
+        """(T, T): 0 where key j is in query i's document and j <= i, else -inf (block-diagonal causal)."""
+        xp = get_xp(packing.segments)
+        seg = packing.segments
+        T = seg.shape[0]
+        visible = (seg[:, None] == seg[None, :]) & (xp.arange(T)[None, :] <= xp.arange(T)[:, None])
+        return xp.where(visible, 0.0, -np.inf).astype(dtype)
+
+    def forward(self, q: Array, k: Array, v: Array, packing: Packing | None = None) -> tuple[Array, Any]:
         xp = get_xp(q)
         T, D = q.shape[-2], q.shape[-1]
         scale = 1.0 / math.sqrt(D)
         S = q @ k.swapaxes(-1, -2)
         S *= scale
-        S += self.causal_bias(xp, T, S.dtype)  # in place: no second T x T array per head
+        # In place: no second T x T array per head. Every row sees at least its own key.
+        S += self.causal_bias(xp, T, S.dtype) if packing is None else self.packed_bias(packing, S.dtype)
         S -= S.max(axis=-1, keepdims=True)
         P = xp.exp(S, out=S)  # reuse S's memory: only P is kept
         P /= P.sum(axis=-1, keepdims=True)
@@ -239,15 +319,17 @@ class NaiveAttention:
         return dq, dk, dv
 
 
-def attention_forward(x: Array, w: Array, b: Array, proj_w: Array, proj_b: Array, n_head: int, core: Any):
+def attention_forward(x: Array, w: Array, b: Array, proj_w: Array, proj_b: Array, n_head: int, core: Any,
+                      packing: Packing | None = None):  # fmt: skip
     """Causal self-attention sub-layer: qkv projection, core attention over heads, output
-    projection. q, k and v are strided (B, H, T, D) views of the qkv activation: no copy."""
+    projection. q, k and v are strided (B, H, T, D) views of the qkv activation: no copy.
+    With ``packing`` (B = 1) each document attends only to itself."""
     B, T, C = x.shape
     D = C // n_head
     qkv, c_qkv = linear_forward(x, w, b)
     qkv5 = qkv.reshape(B, T, 3, n_head, D)
     q, k, v = (qkv5[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    o, c_core = core.forward(q, k, v)
+    o, c_core = core.forward(q, k, v) if packing is None else core.forward(q, k, v, packing)
     y = o.transpose(0, 2, 1, 3).reshape(B, T, C)  # merge heads (a copy)
     out, c_proj = linear_forward(y, proj_w, proj_b)
     return out, (c_qkv, c_core, c_proj, core, (B, T, C, n_head, D))
@@ -355,16 +437,23 @@ class GPT:
         self.cfg, self.store, self.core = cfg, store, core
         self.caches: list[Any] | None = None
 
-    def forward(self, idx: Array, targets: Array | None = None) -> Array:
-        """Mean cross-entropy loss (a 0-d array) if targets are given, else logits (B, T, V)."""
+    def forward(self, idx: Array, targets: Array | None = None, packing: Packing | None = None) -> Array:
+        """Mean cross-entropy loss (a 0-d array) if targets are given, else logits (B, T, V).
+        With ``packing``, idx is one row (1, T) of documents end to end (see ``Packing``)."""
         cfg, p = self.cfg, self.store.params
+        if packing is not None and (idx.shape[0] != 1 or idx.shape[1] != packing.total):
+            raise ValueError(f"a packed batch is one row of {packing.total} tokens; got idx of shape {idx.shape}")
+        if packing is not None and packing.max_seqlen > cfg.seq_len:
+            raise ValueError(f"a document of {packing.max_seqlen} tokens is longer than seq_len = {cfg.seq_len} "
+                             "(the position embedding's rows)")  # fmt: skip
         caches: list[Any] = []
-        x, c = embedding_forward(idx, p["wte"], p["wpe"])
+        x, c = embedding_forward(idx, p["wte"], p["wpe"], None if packing is None else packing.positions)
         caches.append(c)
         for l in range(cfg.n_layer):
             h, c_ln1 = layernorm_forward(x, p[f"h{l}.ln1_w"], p[f"h{l}.ln1_b"])
             a, c_attn = attention_forward(
-                h, p[f"h{l}.attn_w"], p[f"h{l}.attn_b"], p[f"h{l}.proj_w"], p[f"h{l}.proj_b"], cfg.n_head, self.core
+                h, p[f"h{l}.attn_w"], p[f"h{l}.attn_b"], p[f"h{l}.proj_w"], p[f"h{l}.proj_b"], cfg.n_head, self.core,
+                packing,
             )
             x = residual_forward(x, a)
             h, c_ln2 = layernorm_forward(x, p[f"h{l}.ln2_w"], p[f"h{l}.ln2_b"])
@@ -413,10 +502,27 @@ class GPT:
         g["wte"][...] = dwte_head + dwte_emb  # tied: the embedding and the output head
         self.caches = None  # free the activations
 
-    def loss_and_grad(self, idx: Array, targets: Array) -> Array:
-        loss = self.forward(idx, targets)
+    def loss_and_grad(self, idx: Array, targets: Array, packing: Packing | None = None) -> Array:
+        loss = self.forward(idx, targets, packing)
         self.backward()
         return loss
+
+
+def save_params(path: Any, cfg: GPTConfig, flat: Array) -> None:
+    """The flat parameter buffer and the configuration in one .npz file (host copies)."""
+    host = flat.get() if hasattr(flat, "get") else np.asarray(flat)
+    np.savez(path, params=host, config=np.array([cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model]))
+
+
+def load_params(path: Any) -> tuple[GPTConfig, np.ndarray]:
+    """(config, flat host buffer) written by ``save_params``."""
+    with np.load(path) as f:
+        cfg = GPTConfig(*(int(x) for x in f["config"]))
+        flat = f["params"]
+    expected = sum(math.prod(s) for s in param_shapes(cfg).values())
+    if flat.ndim != 1 or flat.size != expected:
+        raise ValueError(f"{path}: {flat.size} parameters for a model that has {expected}")
+    return cfg, flat
 
 
 # ---------------------------------------------------------------------------- optimiser

@@ -4,6 +4,8 @@
     python examples/train_gpt.py --attention naive    # same run, attention through a materialised P
     python examples/train_gpt.py --check-grad         # finite-difference check on a tiny model
     python examples/train_gpt.py --device cpu --n-layer 2 --d-model 64 --n-head 2 --seq-len 64 --steps 50
+    python examples/train_gpt.py --packed             # documents packed without padding (varlen attention)
+    python examples/train_gpt.py --save gpt.npz       # keep the weights (examples/generate_gpt.py loads them)
 
 Every layer has its own backward (examples/gpt_model.py); attention forward and backward are
 ``cupyflash.attention_forward(q, k, v, causal=True)`` and ``cupyflash.attention_backward``
@@ -23,6 +25,16 @@ Model (defaults): 6 pre-LN blocks, 8 heads, d_model 512 (head dim 64), T = 512, 
 GELU (tanh) MLP of width 4 d_model, 19.3 M parameters. AdamW (betas 0.9/0.95, weight
 decay 0.1 on matrices only, bias correction), global gradient-norm clipping at 1.0,
 learning rate 1e-3 with 100 warm-up steps and cosine decay to 1e-4.
+
+Packed documents (``--packed``). The training text is cut into documents at line ends, with
+lengths drawn from a long-tailed (log-normal) distribution, median ~100 bytes, capped at
+seq_len + 1. A step draws random documents and lays them end to end, with no padding, into
+one row of exactly batch * seq_len tokens (the last one cut to fit), so every step has the
+same shapes and the same token count as the default mode. Positions restart at 0 in every
+document and each document attends only to itself, causally:
+``cupyflash.attention_varlen_forward``/``_backward`` with the row's cu_seqlens, in one call
+per layer for the whole row. Validation uses the default mode's windows, so the two modes'
+validation losses compare directly.
 
 Precision: float32 throughout (weights, activations, gradients, optimiser state), so the
 two attention paths can be compared step by step; ``--attn-dtype bfloat16`` runs only
@@ -87,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sample-chars", type=int, default=300, help="text generated at the end (0: none)")
     ap.add_argument("--log-json", type=Path, default=None, help="write the summary here")
     ap.add_argument("--check-grad", action="store_true", help="finite-difference check of one step, tiny model")
+    ap.add_argument("--packed", action="store_true",
+                    help="train on documents packed end to end without padding (varlen attention)")  # fmt: skip
+    ap.add_argument("--doc-median", type=int, default=100, help="--packed: median document length in bytes")
+    ap.add_argument("--save", type=Path, default=None, help="write the trained weights here (.npz)")
     return ap.parse_args(argv)
 
 
@@ -131,6 +147,40 @@ def get_batch(tokens: np.ndarray, rng: np.random.Generator, batch: int, seq_len:
     starts = rng.integers(0, tokens.size - seq_len - 1, size=batch)
     windows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)
     return windows[:, :-1], windows[:, 1:]
+
+
+def split_documents(tokens: np.ndarray, rng: np.random.Generator, max_len: int, median: float = 100.0,
+                    sigma: float = 1.0) -> np.ndarray:  # fmt: skip
+    """Cut the corpus into documents at line ends: (n, 2) [start, end) byte ranges covering it.
+
+    Target lengths are log-normal (a long tail: most documents short, a few long), capped at
+    ``max_len + 1`` bytes (a document of n + 1 bytes gives n input/target pairs, n <= seq_len);
+    a document ends at the last line end within its target, or at the target inside a longer line."""
+    ends = np.flatnonzero(tokens == ord("\n")) + 1
+    docs, start = [], 0
+    while tokens.size - start >= 2:
+        want = int(min(max_len + 1, max(2, rng.lognormal(math.log(median), sigma))))
+        i = np.searchsorted(ends, start + want, side="right") - 1
+        end = int(ends[i]) if i >= 0 and ends[i] >= start + 2 else start + want
+        end = min(end, tokens.size)
+        docs.append((start, end))
+        start = end
+    return np.array(docs, dtype=np.int64).reshape(-1, 2)
+
+
+def get_packed_batch(tokens: np.ndarray, docs: np.ndarray, rng: np.random.Generator,
+                     budget: int) -> tuple[np.ndarray, np.ndarray, list[int]]:  # fmt: skip
+    """Random documents end to end in one row of exactly ``budget`` tokens (the last cut to fit): inputs
+    (1, budget), next-byte targets (1, budget) that never cross a document's end, and the lengths."""
+    xs, ys, lengths, n = [], [], [], 0
+    while n < budget:
+        s, e = docs[rng.integers(len(docs))]
+        take = int(min(e - s - 1, budget - n))
+        xs.append(tokens[s : s + take])
+        ys.append(tokens[s + 1 : s + 1 + take])
+        lengths.append(take)
+        n += take
+    return np.concatenate(xs)[None].astype(np.int64), np.concatenate(ys)[None].astype(np.int64), lengths
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -276,6 +326,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     meter = MemoryMeter(xp)
     rng = np.random.default_rng(args.seed)
     tokens_per_step = args.batch * args.seq_len
+    docs = None
+    if args.packed:
+        docs = split_documents(train_tokens, np.random.default_rng(args.seed + 2), cfg.seq_len, args.doc_median)
 
     device = "CPU (NumPy)"
     if on_gpu:
@@ -286,17 +339,28 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
           f"batch={args.batch} | {store.data.size:,} parameters")  # fmt: skip
     print(f"corpus {args.data.name}: {tokens.size:,} bytes ({train_tokens.size:,} train, {val_tokens.size:,} val)")
     print(f"unigram entropy {h:.4f} nats = {h / math.log(2):.4f} bits per byte")
+    if docs is not None:
+        n = docs[:, 1] - docs[:, 0] - 1
+        print(f"packed: {len(docs):,} training documents of {n.min()}-{n.max()} tokens (median {np.median(n):.0f}, "
+              f"mean {n.mean():.0f}), {tokens_per_step:,} tokens a step in one row, no padding")  # fmt: skip
 
     losses: list[float] = []
     step_times: list[float] = []
     evals: list[tuple[int, float]] = []
     t_start = time.perf_counter()
+    docs_per_step: list[int] = []
     for step in range(args.steps):
-        x, y = get_batch(train_tokens, rng, args.batch, args.seq_len)
+        packing = None
+        if docs is None:
+            x, y = get_batch(train_tokens, rng, args.batch, args.seq_len)
+        else:
+            x, y, lengths = get_packed_batch(train_tokens, docs, rng, tokens_per_step)
+            packing = gm.Packing.from_lengths(xp, lengths)
+            docs_per_step.append(len(lengths))
         x, y = xp.asarray(x), xp.asarray(y)
         synchronize(xp)
         t0 = time.perf_counter()
-        loss = model.forward(x, y)
+        loss = model.forward(x, y, packing)
         meter.sample()
         model.backward()
         norm = gm.clip_grad_norm(store, args.grad_clip)
@@ -337,6 +401,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(f"peak memory: {meter.held() / gib:.3f} GiB held by CuPy's memory pool, "
               f"{meter.live_peak / gib:.3f} GiB live after a forward")  # fmt: skip
     print("first losses: " + " ".join(f"{v:.6f}" for v in losses[:10]))
+    if docs_per_step:
+        print(f"packed: {np.mean(docs_per_step):.1f} documents a step on average")
+    if args.save:
+        gm.save_params(args.save, cfg, store.data)
+        print(f"weights saved to {args.save}")
     sample = ""
     if args.sample_chars > 0:
         sample = generate(model, xp, b"\n1:1 ", args.sample_chars, args.seed)
@@ -344,6 +413,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "device": device,
         "attention": attn,
+        "packed": bool(args.packed),
+        "docs_per_step": float(np.mean(docs_per_step)) if docs_per_step else None,
         "config": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "d_model": cfg.d_model, "seq_len": cfg.seq_len,
                    "batch": args.batch, "parameters": int(store.data.size)},  # fmt: skip
         "steps": len(losses),

@@ -425,7 +425,8 @@ def test_overhead_suite_lists_its_calls_without_a_gpu(capsys):
     assert "300 back-to-back calls" in out
     for row in ("forward bfloat16 B=1 H=8 N=128 D=64", "backward bfloat16 B=1 H=8 N=128 D=64",
                 "forward float32 B=4 H=12 N=256 D=64", "backward float32 B=4 H=12 N=256 D=64",
-                "linear forward bfloat16 B=1 H=8 N=128 D=64 causal"):  # fmt: skip
+                "linear forward bfloat16 B=1 H=8 N=128 D=64 causal",
+                "decode bfloat16 B=1 Hq=32 Hk=8 Nq=1 cache=4096 D=128"):  # fmt: skip
         assert f"  {row}\n" in out + "\n"
     with pytest.raises(SystemExit):  # its rows are calls, not TFLOP/s: it runs alone
         bench.parse_args(["--suite", "overhead,grid"], has_torch=False)
@@ -435,7 +436,7 @@ def test_overhead_table_and_json(tmp_path):
     from cupyflash.bench.overhead import format_overhead_table, plan_rows
 
     rows = plan_rows(bench.parse_args(["--suite", "overhead"], has_torch=False).shapes)
-    assert [(r.call, r.shape.dtype) for r in rows][-1] == ("linear forward", "bfloat16")
+    assert [(r.call, r.shape.dtype) for r in rows][-2:] == [("linear forward", "bfloat16"), ("decode", "bfloat16")]
     s = rows[0].shape
     base = dict(workload="softmax", b=s.b, h=s.h, n=s.n, d=s.d, causal=s.causal, dtype=s.dtype, pass_="fwd",
                 kind="overhead", status="ok", runs=300)  # fmt: skip
@@ -451,6 +452,12 @@ def test_overhead_table_and_json(tmp_path):
     bench.report.write_json(recs, str(path))
     got = json.loads(path.read_text())
     assert set(got[0]) == set(bench.JSON_KEYS) and got[0]["kind"] == "overhead" and got[0]["gpu_ms"] == 0.0071
+    # The decode row: its own workload, found by the table under its label.
+    dec = Record(impl="cupyflash", median_ms=0.012, gpu_ms=0.02, **dict(base, workload="decode", b=1, h=32, n=4096,
+                                                                        d=128, dtype="bfloat16"))  # fmt: skip
+    last = format_overhead_table([dec], rows).splitlines()[-1]
+    assert [c.strip() for c in last.strip("|").split("|")] == [
+        "decode bfloat16 B=1 Hq=32 Hk=8 Nq=1 cache=4096 D=128", "12.0", "-", "20.0", "-"]
 
 
 # ---------------------------------------------------------------------------- variants suite

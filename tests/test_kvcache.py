@@ -492,14 +492,16 @@ def test_host_path_fills_decode_params(monkeypatch):
     from cupyflash.kernels import build, decode
 
     seen, merges = [], []
-    monkeypatch.setattr(build, "launch_params", lambda plan, params: seen.append((plan, bytes(params))))
-    monkeypatch.setattr(decode, "launch_merge", lambda *a: merges.append(a))
+    monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
+    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream: merges.append(dict(
+        (f, getattr(self.args, f)) for f, _ in self.args._fields_)))  # fmt: skip
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
+    monkeypatch.setattr(kvcache, "_workspace", {})  # host stand-ins must not stay in the device workspace cache
     dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
-    b, hq, hk, nq, d, page, per_seq = 2, 8, 2, 3, 64, 16, 4
+    b, hq, hk, nq, d, page, per_seq = 2, 8, 2, 3, 64, 16, 16
     q = dev(np.zeros((b, hq, nq, d), np.float16))
     store = dev(np.zeros((9, page, hk, d), np.float16))  # (pages, slot, head, D) storage seen as (pages, head, slot, D)
     kc = store.transpose(0, 2, 1, 3).view(_DeviceArray)
@@ -510,7 +512,8 @@ def test_host_path_fills_decode_params(monkeypatch):
     problem = check_kvcache(q, kc, kc, kn, kn, cache_seqlens=lens, block_table=table, causal=True, sinks=sinks)
     arrays = dict(q=q, k_cache=kc, v_cache=kc, k=kn, v=kn, cache_seqlens=lens, block_table=table,
                   cache_batch_idx=None, alibi=None, sinks=sinks)  # fmt: skip
-    kvcache._launch(kvcache._prepare(problem, arrays, 0), arrays)
+    prep = kvcache._prepare(problem, arrays, 4)  # four splits of the 256 keys' four tiles
+    o, lse = kvcache._launch(prep, *(arrays.get(n) for n in kvcache.ARRAY_NAMES))
     (append, args0), (split, args1) = seen
     assert "kv_append<__half>" in append.name and append.grid == (b, hk, 1)
     assert "decode_split_mma<__half, 64, 1, 4, cupyflash::Policy<cupyflash::Causal" in split.name
@@ -519,11 +522,100 @@ def test_host_path_fills_decode_params(monkeypatch):
     assert rec["kc_s"].tolist() == (page * hk * d, d, hk * d)  # element strides of the transposed view
     assert rec["k_cache"] == kc.ctypes.data and rec["block_table"] == table.ctypes.data
     assert rec["cache_seqlens"] == lens.ctypes.data and rec["cache_batch_idx"] == 0
-    assert (rec["n_new"], rec["page_size"], rec["num_pages"], rec["pages_per_seq"], rec["m_rows"]) == (2, 16, 9, 4, 12)
+    assert (rec["n_new"], rec["page_size"], rec["num_pages"], rec["pages_per_seq"], rec["m_rows"]) == (2, 16, 9, 16, 12)
     a = rec["attn"]
     assert (a["hq"], a["hk"], a["group"], a["nq"], a["nk"], a["d"]) == (hq, hk, 4, nq, page * per_seq, d)
     assert a["sinks"] == sinks.ctypes.data and a["q"] == q.ctypes.data
-    assert split.grid[2] == 1 or merges  # several splits are merged (the sink joins there)
+    assert a["o"] == o.ctypes.data and a["lse"] == lse.ctypes.data
+    assert split.grid[2] > 1 and len(merges) == 1  # several splits are merged (the sink joins there)
+    m = merges[0]
+    assert (m["o"], m["lse"], m["sinks"]) == (o.ctypes.data, lse.ctypes.data, sinks.ctypes.data)
+    assert (m["o_parts"], m["lse_parts"]) == (rec["o_part"], rec["lse_part"]) and rec["o_part"] != 0
+    assert (m["rows"], m["parts"], m["d"], m["nq"], m["hq"]) == (b * hq * nq, split.grid[2], d, nq, hq)
+    # A second call with other arrays reuses the launches: only the pointers differ, written in place.
+    q2, kn2, lens2 = dev(np.zeros_like(q)), dev(np.zeros_like(kn)), dev(np.array([1, 2], np.int32))
+    arrays2 = dict(arrays, q=q2, k=kn2, v=kn2, cache_seqlens=lens2)
+    o2, _ = kvcache._launch(prep, *(arrays2.get(n) for n in kvcache.ARRAY_NAMES))
+    (_, again0), (_, again1) = seen[2:]
+    assert again0 == again1
+    rec2 = np.frombuffer(again1, decode.DECODE_PARAMS)[0]
+    assert (rec2["attn"]["q"], rec2["attn"]["o"]) == (q2.ctypes.data, o2.ctypes.data)
+    assert (rec2["k_new"], rec2["v_new"]) == (kn2.ctypes.data, kn2.ctypes.data)
+    assert rec2["cache_seqlens"] == lens2.ctypes.data
+    assert rec2["o_part"] == rec["o_part"]  # the workspace is the same on the same stream
+    for name in decode.DECODE_PARAMS.names:  # everything but the pointers is as the first call left it
+        if name not in ("attn", "k_new", "v_new", "cache_seqlens"):
+            assert rec2[name] == rec[name], name
+    same = [n for n in decode.PARAMS.names if n not in ("q", "o", "lse")]
+    assert all(np.all(rec2["attn"][n] == a[n]) for n in same)
+    assert merges[1]["o"] == o2.ctypes.data
+
+
+def test_host_path_int_seqlens_and_rotary(monkeypatch):
+    """An int cache_seqlens is written per call into every launch; with rotary, rotate_q reads q as given and the
+    append and decode launches read the rotated dense copy."""
+    import cupy
+    from test_launch_abi import _DeviceArray, _empty
+
+    from cupyflash import kvcache, plans
+    from cupyflash.kernels import build, decode
+
+    seen = []
+    monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
+    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream: None)
+    monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
+    monkeypatch.setattr(cupy, "empty", _empty)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
+    monkeypatch.setattr(kvcache, "_workspace", {})  # host stand-ins must not stay in the device workspace cache
+    dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
+    b, hq, hk, nq, d, cap = 2, 4, 2, 1, 64, 128
+    qkv = dev(np.zeros((b, nq, 3, hq, d), np.float16))  # q a strided view
+    q = qkv[:, :, 0].transpose(0, 2, 1, 3).view(_DeviceArray)
+    kc = dev(np.zeros((b, hk, cap, d), np.float16))
+    kn = dev(np.zeros((b, hk, 1, d), np.float16))
+    cos, sin = dev(np.ones((cap, 16), np.float32)), dev(np.zeros((cap, 16), np.float32))
+    kw = dict(cache_seqlens=5, causal=True, rotary_cos=cos, rotary_sin=sin)
+    problem = check_kvcache(q, kc, kc, kn, kn, **kw)
+    arrays = dict(q=q, k_cache=kc, v_cache=kc, k=kn, v=kn, cache_seqlens=5, block_table=None, cache_batch_idx=None,
+                  alibi=None, sinks=None, rotary_cos=cos, rotary_sin=sin)  # fmt: skip
+    prep = kvcache._prepare(problem, arrays, 1)
+    for lens in (5, 77):
+        seen.clear()
+        kvcache._launch(prep, *(dict(arrays, cache_seqlens=lens).get(n) for n in kvcache.ARRAY_NAMES))
+        (rot, r0), (app, r1), (dec, r2) = seen
+        assert "rotate_q" in rot.name and "kv_append" in app.name and "decode_split" in dec.name
+        recs = [np.frombuffer(r, decode.DECODE_PARAMS)[0] for r in (r0, r1, r2)]
+        assert all(r["seqlen_const"] == lens and r["cache_seqlens"] == 0 for r in recs)
+        assert recs[0]["attn"]["q"] == q.ctypes.data and recs[0]["attn"]["q_s"].tolist() == _elems(q)
+        q_rot = recs[0]["q_rot"]
+        assert q_rot != 0 and all(r["attn"]["q"] == q_rot for r in recs[1:])
+        assert all(r["attn"]["q_s"].tolist() == (hq * nq * d, nq * d, d) for r in recs[1:])
+        assert all(r["rotary_cos"] == cos.ctypes.data and r["rotary_sin"] == sin.ctypes.data for r in recs)
+
+
+def _elems(x):
+    return tuple(s // x.itemsize for s in x.strides[:3])
+
+
+def test_pointer_writer_matches_the_struct_layout():
+    from cupyflash import kvcache
+    from cupyflash.kernels import decode
+
+    names = kvcache.CALL_POINTERS + kvcache.ROTARY_POINTERS
+    writer = decode.PointerWriter(names)
+    assert len(writer.runs) < len(names)  # adjacent fields share a pack_into
+    buf = bytearray(np.full((), 7, decode.DECODE_PARAMS).tobytes())
+    values = tuple(1000 + i for i in range(len(names)))
+    writer.write(buf, values)
+    rec = np.frombuffer(bytes(buf), decode.DECODE_PARAMS)[0]
+    untouched = np.frombuffer(np.full((), 7, decode.DECODE_PARAMS).tobytes(), decode.DECODE_PARAMS)[0]
+    for name, value in zip(names, values):
+        got = rec["attn"][name[5:]] if name.startswith("attn.") else rec[name]
+        assert got == value, name
+    assert rec["attn"]["k"] == untouched["attn"]["k"] and rec["n_new"] == untouched["n_new"]
+    decode.write_seqlen_const(buf, -3)
+    assert np.frombuffer(bytes(buf), decode.DECODE_PARAMS)[0]["seqlen_const"] == -3
 
 
 def test_signature_cache_key():
@@ -531,10 +623,9 @@ def test_signature_cache_key():
     from cupyflash import kvcache
 
     args = _args()
-    kw = dict(cache_seqlens=3, block_table=None, cache_batch_idx=None, causal=False, scale=None, window_size=None,
-              softcap=0.0, alibi_slopes=None, sinks=None, rotary_cos=None, rotary_sin=None, num_splits=0)  # fmt: skip
     arrays = dict(args, k=None, v=None, cache_seqlens=3, block_table=None, cache_batch_idx=None, alibi=None, sinks=None)
-    assert kvcache._signature(arrays, kw) is None
+    scalars = (False, None, None, 0.0, False, 0)
+    assert kvcache._signature(tuple(arrays.get(n) for n in kvcache.ARRAY_NAMES), scalars) is None
     p = check_kvcache(**args, cache_seqlens=3)
     kvcache._check_seqlen_const(p, 16)
     with pytest.raises(ValueError, match="0..16"):

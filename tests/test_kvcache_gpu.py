@@ -301,3 +301,77 @@ def test_decode_step_in_a_cuda_graph(rng):
         graph.launch(stream)
         stream.synchronize()
     np.testing.assert_array_equal(o.get(), want.get())
+
+
+def test_decode_steps_replayed_from_one_cuda_graph(rng):
+    """One captured decode step (append one token, split-KV attention, merge, then ``cache_seqlens += 1`` on the
+    device) replayed step after step with new q/k/v written into the same buffers: each replay appends at the
+    advanced length and attends over one more key, and every step equals the reference's."""
+    b, hq, hk, cap, d, steps = 2, 8, 2, 2048, 128, 5
+    dt = np.float32
+    kc = rng.standard_normal((b, hk, cap, d)).astype(dt)
+    vc = rng.standard_normal((b, hk, cap, d)).astype(dt)
+    lens0 = np.array([100, cap - steps - 40], np.int32)
+    inputs = [(rng.standard_normal((b, hq, 1, d)).astype(dt), rng.standard_normal((b, hk, 1, d)).astype(dt),
+               rng.standard_normal((b, hk, 1, d)).astype(dt)) for _ in range(steps)]  # fmt: skip
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q, kn, vn = (cupy.empty(x.shape, dt) for x in inputs[0])
+        kcd, vcd, lens = cupy.asarray(kc), cupy.asarray(vc), cupy.asarray(lens0)
+        # Warm-up on scratch caches of the same signature (compiled, plan and workspace cached for this stream),
+        # so that the real cache is first written by the graph.
+        scratch = (cupy.zeros_like(kcd), cupy.zeros_like(vcd), cupy.zeros_like(lens))
+        cf.attention_with_kvcache(q, scratch[0], scratch[1], kn, vn, cache_seqlens=scratch[2])
+        stream.synchronize()
+        stream.begin_capture()
+        o, lse = cf.attention_with_kvcache(q, kcd, vcd, kn, vn, cache_seqlens=lens)
+        cupy.add(lens, 1, out=lens)
+        graph = stream.end_capture()
+        kr, vr, lr = kc.copy(), vc.copy(), lens0.copy()
+        for s, (qh, knh, vnh) in enumerate(inputs):
+            for dst, src in ((q, qh), (kn, knh), (vn, vnh)):
+                dst[...] = cupy.asarray(src)
+            o.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            ro, rlse = kref.attention_with_kvcache(qh, kr, vr, knh, vnh, cache_seqlens=lr)  # appends to kr, vr
+            lr += 1
+            assert_float32_close(f"o at step {s}", o.get(), ro, 1e-5)
+            np.testing.assert_allclose(lse.get(), rlse, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(lens.get(), lr)
+    np.testing.assert_array_equal(kcd.get(), kr)  # exactly the five appended slots of each row changed
+    np.testing.assert_array_equal(vcd.get(), vr)
+
+
+REPEATED = [
+    ("contig-append-device-lens", (2, 8, 2, 1, 600, 1, None, 128), dict(causal=True)),
+    ("paged16-rotary-sinks-int-lens", (2, 8, 2, 2, 320, 2, 16, 64), dict(causal=True, rotary="halves", sinks=True)),
+]
+
+
+@pytest.mark.parametrize("shape, spec", [pytest.param(*c[1:], id=c[0]) for c in REPEATED])
+def test_repeated_calls_write_each_calls_pointers(rng, shape, spec):
+    """Calls of one signature reuse their launches' argument buffers: alternating between two sets of arrays
+    (A, B, A), every call must read and write its own arrays (no stale pointer, length or workspace)."""
+    sets = [_case_inputs(rng, shape, spec, "float32") for _ in range(2)]
+    int_lens = spec.get("rotary") is not None  # the paged case passes cache_seqlens as a Python int
+    for which in (0, 1, 0):
+        q, kc, vc, kn, vn, lens, table, causal, kw = sets[which]
+        seqlens = int(lens[1]) if int_lens else lens
+        kcd, vcd = cupy.asarray(kc), cupy.asarray(vc)
+        kwd = {n: _dev(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+        _poison((q.shape, q.dtype), (q.shape[:-1], np.float32))
+        o, lse = cf.attention_with_kvcache(cupy.asarray(q), kcd, vcd, _dev(kn), _dev(vn),
+                                           cache_seqlens=seqlens if int_lens else cupy.asarray(seqlens),
+                                           block_table=_dev(table), causal=causal, **kwd)  # fmt: skip
+        kr, vr = kc.copy(), vc.copy()
+        ro, rlse = kref.attention_with_kvcache(q, kr, vr, kn, vn, cache_seqlens=seqlens, block_table=table,
+                                               causal=causal, **kw)  # fmt: skip
+        assert_float32_close(f"o of set {which}", o.get(), ro, 1e-5)
+        np.testing.assert_allclose(lse.get(), rlse, rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(vcd.get(), vr)
+        if kw.get("rotary_cos") is None:
+            np.testing.assert_array_equal(kcd.get(), kr)
+        else:  # rotated keys: float32 on the device against float64 here, within one unit in the last place
+            np.testing.assert_allclose(kcd.get(), kr, rtol=2.0**-23, atol=2.0**-23)

@@ -4,6 +4,7 @@ the command line on the CPU, and on a GPU a few training steps with cupyflash at
 its gradients, and agreement with the naive attention."""
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -113,6 +114,35 @@ def test_attention_core_backward(rng, core):
     check_vjp(lambda *a: core.forward(*a)[0], [q, k, v], do, list(core.backward(do, cache)))
 
 
+def test_packing_positions_and_segments():
+    pk = gm.Packing.from_lengths(np, [3, 1, 4])
+    assert pk.cu_seqlens.dtype == np.int32 and pk.cu_seqlens.tolist() == [0, 3, 4, 8]
+    assert pk.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert pk.segments.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+    assert pk.max_seqlen == 4 and pk.total == 8
+    for bad in ([], [3, 0], [[1, 2]]):
+        with pytest.raises(ValueError, match="document lengths"):
+            gm.Packing.from_lengths(np, bad)
+
+
+@pytest.mark.parametrize("core", [gm.NaiveAttention(), gm.FlashAttention()], ids=["naive", "flash-reference"])
+def test_packed_attention_core_backward(rng, core):
+    # One row of three documents: finite differences through the varlen path, and each document's
+    # output equal to its own causal attention (nothing leaks across a document's boundary).
+    lengths, H, D = [4, 1, 3], 2, 4
+    T = sum(lengths)
+    qkv = rng.standard_normal((1, T, 3, H, D))
+    q, k, v = (np.ascontiguousarray(qkv[:, :, i].transpose(0, 2, 1, 3)) for i in range(3))
+    do = rng.standard_normal((1, H, T, D))
+    pk = gm.Packing.from_lengths(np, lengths)
+    o, cache = core.forward(q, k, v, pk)
+    cu = pk.cu_seqlens.tolist()
+    for a, b in zip(cu, cu[1:]):
+        alone, _ = gm.NaiveAttention().forward(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+        np.testing.assert_allclose(o[:, :, a:b], alone, rtol=1e-12, atol=1e-14)
+    check_vjp(lambda *a: core.forward(*a, pk)[0], [q, k, v], do, list(core.backward(do, cache)))
+
+
 def test_naive_attention_matches_cupyflash_reference(rng):
     import cupyflash
 
@@ -188,6 +218,85 @@ def test_check_gradients_with_float32_attention_on_cpu():
     assert r["tolerances"]["finite_difference"] > 1e-6  # the float32 branch ran
     assert r["ok"], r
     assert 0 < r["grad_vs_naive_float64_rel_err"] < 1e-6
+
+
+def packed_documents(rng, lengths):
+    """Random byte documents of the given token counts: each is lengths[i] + 1 bytes."""
+    return [rng.integers(0, 256, n + 1) for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "core, tol",
+    [(gm.NaiveAttention(), 1e-12), (gm.FlashAttention(), 1e-12), (gm.FlashAttention(np.float32), 1e-6)],
+    ids=["naive", "flash-reference", "flash-numpy-float32"],
+)
+def test_packed_step_equals_documents_one_at_a_time(rng, core, tol):
+    # The packed row's loss is the token-weighted mean of each document's loss run alone (as its own
+    # batch of one, positions from 0), and so is its gradient: packing changes nothing but the speed.
+    cfg = gm.GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    model = tiny_model(rng, core, cfg)
+    lengths = [5, 1, 8, 3, 8]
+    docs = packed_documents(rng, lengths)
+    x = np.concatenate([d[:-1] for d in docs])[None]
+    y = np.concatenate([d[1:] for d in docs])[None]
+    packed = float(model.loss_and_grad(x, y, gm.Packing.from_lengths(np, lengths)))
+    packed_grad = model.store.grad.copy()
+    alone, alone_grad = 0.0, np.zeros_like(packed_grad)
+    for d, n in zip(docs, lengths):
+        alone += n * float(model.loss_and_grad(d[None, :-1], d[None, 1:]))
+        alone_grad += n * model.store.grad
+    total = sum(lengths)
+    assert abs(packed - alone / total) < tol * abs(packed)
+    assert rel_err(packed_grad, alone_grad / total) < tol
+    # Without the packing (one causal sequence over the row) the documents would see each other.
+    head = gm.Packing.from_lengths(np, [5, 1, 2])  # the row's first 8 tokens
+    assert abs(float(model.forward(x[:, :8], y[:, :8], head)) - float(model.forward(x[:, :8], y[:, :8]))) > 1e-4
+
+
+def test_packed_rejects_bad_rows(rng):
+    model = tiny_model(rng, gm.FlashAttention())
+    x = np.zeros((1, 6), np.int64)
+    with pytest.raises(ValueError, match="one row of 5 tokens"):
+        model.forward(x, x, gm.Packing.from_lengths(np, [2, 3]))
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        model.forward(np.zeros((1, 9), np.int64), None, gm.Packing.from_lengths(np, [9]))
+
+
+def test_documents_and_packed_batches():
+    tokens = tg.load_corpus(tg.DEFAULT_DATA)[:400_000]
+    docs = tg.split_documents(tokens, np.random.default_rng(0), max_len=512, median=100)
+    n = docs[:, 1] - docs[:, 0]
+    assert docs[0, 0] == 0 and np.all(docs[1:, 0] == docs[:-1, 1]) and tokens.size - docs[-1, 1] < 2
+    assert n.min() >= 2 and n.max() <= 513
+    assert np.median(n) < n.mean() and np.percentile(n, 99) > 4 * np.median(n)  # long-tailed
+    at_line_end = tokens[docs[:, 1] - 1] == ord("\n")
+    assert at_line_end.mean() > 0.3
+    for s, e in docs[~at_line_end][:200]:  # cut inside a line only when no line ended in reach
+        assert ord("\n") not in tokens[s + 1 : e - 1]
+    docs = tg.split_documents(tokens, np.random.default_rng(0), max_len=64, median=40)
+    rng = np.random.default_rng(1)
+    x, y, lengths = tg.get_packed_batch(tokens, docs, rng, 1000)
+    assert x.shape == y.shape == (1, 1000) and sum(lengths) == 1000 and min(lengths) >= 1 and len(lengths) > 5
+    # Targets are the next byte within the same document: reassemble each document from the row.
+    rng = np.random.default_rng(1)
+    at = 0
+    for n_tok in lengths:
+        s, e = docs[rng.integers(len(docs))]
+        np.testing.assert_array_equal(x[0, at : at + n_tok], tokens[s : s + n_tok])
+        np.testing.assert_array_equal(y[0, at : at + n_tok], tokens[s + 1 : s + 1 + n_tok])
+        at += n_tok
+
+
+def test_save_and_load_params(tmp_path, rng):
+    cfg = gm.GPTConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    flat = gm.init_params(cfg, 3)
+    gm.save_params(tmp_path / "w.npz", cfg, flat)
+    cfg2, flat2 = gm.load_params(tmp_path / "w.npz")
+    assert cfg2 == cfg
+    np.testing.assert_array_equal(flat2, flat)
+    gm.save_params(tmp_path / "bad.npz", gm.GPTConfig(256, 8, 2, 2, 16), flat)
+    with pytest.raises(ValueError, match="parameters for a model"):
+        gm.load_params(tmp_path / "bad.npz")
 
 
 # ---------------------------------------------------------------------------- optimiser
@@ -272,6 +381,25 @@ def test_script_runs_on_cpu_and_attention_paths_agree(capsys):
     np.testing.assert_allclose(runs["naive"]["losses"], runs["flash"]["losses"], rtol=1e-5)
 
 
+def test_packed_script_runs_on_cpu_and_attention_paths_agree(capsys, tmp_path):
+    runs = {a: tg.main([*CPU_TINY, "--steps", "6", "--attention", a, "--packed", "--doc-median", "8",
+                        "--log-json", str(tmp_path / f"{a}.json")]) for a in ("naive", "flash")}  # fmt: skip
+    out = capsys.readouterr().out
+    assert "packed:" in out and "documents a step" in out
+    for a, r in runs.items():
+        assert r["packed"] and r["docs_per_step"] > 2  # several documents share each 64-token row
+        assert r["steps"] == 6 and all(math.isfinite(v) for v in r["losses"])
+        assert r["losses"][-1] < r["losses"][0]
+        assert json.loads((tmp_path / f"{a}.json").read_text())["losses"] == r["losses"]
+    np.testing.assert_allclose(runs["naive"]["losses"], runs["flash"]["losses"], rtol=1e-5)
+
+
+def test_save_flag_writes_loadable_weights(tmp_path):
+    r = tg.main([*CPU_TINY, "--steps", "2", "--sample-chars", "0", "--save", str(tmp_path / "w.npz")])
+    cfg, flat = gm.load_params(tmp_path / "w.npz")
+    assert cfg == gm.GPTConfig(256, 16, 2, 2, 32) and flat.size == r["config"]["parameters"]
+
+
 def test_time_limit_stops_training():
     r = tg.main([*CPU_TINY, "--steps", "1000", "--time-limit", "0.01", "--sample-chars", "0"])
     assert 1 <= r["steps"] < 1000
@@ -327,6 +455,52 @@ def test_gpu_attention_core_matches_naive_float64(rng):
 def test_gpu_naive_and_cupyflash_losses_match():
     runs = {a: tg.main([*GPU_TINY, "--steps", "5", "--attention", a]) for a in ("naive", "flash")}
     np.testing.assert_allclose(runs["flash"]["losses"], runs["naive"]["losses"], rtol=1e-3)
+
+
+@requires_gpu
+def test_gpu_packed_training_reduces_loss():
+    r = tg.main([*GPU_TINY, "--steps", "40", "--packed", "--doc-median", "24"])
+    losses = r["losses"]
+    assert r["packed"] and r["docs_per_step"] > 10
+    assert len(losses) == 40 and all(math.isfinite(v) for v in losses)
+    assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+
+
+@requires_gpu
+def test_gpu_packed_naive_and_cupyflash_losses_match():
+    runs = {a: tg.main([*GPU_TINY, "--steps", "5", "--attention", a, "--packed", "--doc-median", "24"])
+            for a in ("naive", "flash")}  # fmt: skip
+    np.testing.assert_allclose(runs["flash"]["losses"], runs["naive"]["losses"], rtol=1e-3)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kernel", ["portable", "mma", "wgmma"])
+def test_gpu_packed_step_equals_documents_one_at_a_time(rng, kernel):
+    # cupyflash's varlen kernels (float32 model, attention in float32, or bfloat16 for the tensor-core
+    # families) on a row of documents of awkward lengths, against each document run alone (dense kernels).
+    import cupy
+
+    if kernel == "wgmma" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma family needs compute capability 9.0 (sm_90a)")
+    dtype = np.float32 if kernel == "portable" else "bfloat16"
+    cfg = gm.GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=2, d_model=128)  # head dim 64
+    flat = gm.init_params(cfg, 7)
+    flat += rng.normal(0.0, 0.02, flat.size).astype(np.float32)
+    model = gm.GPT(cfg, gm.ParamStore(cfg, cupy.asarray(flat)), gm.FlashAttention(dtype, kernel=kernel))
+    lengths = [100, 1, 128, 17, 64, 3, 77]
+    docs = packed_documents(rng, lengths)
+    x = cupy.asarray(np.concatenate([d[:-1] for d in docs])[None])
+    y = cupy.asarray(np.concatenate([d[1:] for d in docs])[None])
+    packed = float(model.loss_and_grad(x, y, gm.Packing.from_lengths(cupy, lengths)))
+    packed_grad = model.store.grad.get()
+    alone, alone_grad = 0.0, np.zeros_like(packed_grad)
+    for d, n in zip(docs, lengths):
+        alone += n * float(model.loss_and_grad(cupy.asarray(d[None, :-1]), cupy.asarray(d[None, 1:])))
+        alone_grad += n * model.store.grad.get()
+    total = sum(lengths)
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    assert abs(packed - alone / total) < tol * abs(packed)
+    assert rel_err(packed_grad, alone_grad / total) < (1e-4 if dtype == np.float32 else 5e-2)
 
 
 @requires_gpu

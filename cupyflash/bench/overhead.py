@@ -7,6 +7,10 @@ longer. Beside it, the GPU time of the same call by CUDA events (median of many)
 sees how much of a call is host. PyTorch SDPA runs like with like, in the same process: forward
 under ``torch.no_grad()``, backward alone (``torch.autograd.grad`` on a graph kept from one
 forward); its columns are left out when torch is not importable.
+
+One decode row (issue 15): ``attention_with_kvcache`` for one new query row against a full bf16
+cache of 4096 keys (B = 1, 32 query heads over 8 KV heads, D = 128, ``cache_seqlens`` a device
+array), beside SDPA on the equivalent dense call (q against the cache, ``enable_gqa``).
 """
 from __future__ import annotations
 
@@ -35,14 +39,22 @@ class Row:
     @property
     def label(self) -> str:
         s = self.shape
+        if self.workload == "decode":
+            return f"{self.call} {s.dtype} B={s.b} Hq={s.h} Hk={DECODE_HK} Nq=1 cache={s.n} D={s.d}"
         causal = " causal" if s.causal else ""
         return f"{self.call} {s.dtype} B={s.b} H={s.h} N={s.n} D={s.d}{causal}"
 
 
+#: The decode row: h is the query heads, n the cache's keys (all of them attended), DECODE_HK key/value heads.
+DECODE = Shape(1, 32, 4096, 128, False, "bfloat16")
+DECODE_HK = 8
+
+
 def plan_rows(shapes: Sequence[Shape]) -> list[Row]:
-    """Forward and backward per shape, then the causal linear forward at each bf16 shape."""
+    """Forward and backward per shape, the causal linear forward at each bf16 shape, then the decode row."""
     rows = [Row(call, "softmax", p, s) for s in shapes for call, p in (("forward", "fwd"), ("backward", "bwd"))]
     rows += [Row("linear forward", "linear", "fwd", replace(s, causal=True)) for s in shapes if s.dtype == "bfloat16"]
+    rows.append(Row("decode", "decode", "fwd", DECODE))
     return rows
 
 
@@ -97,13 +109,30 @@ def _cupy_inputs(shape: Shape, seed: int) -> tuple[Any, Any, Any, Any]:
     return tuple(rng.standard_normal(dims, dtype=cupy.float32).astype(cupy_dtype(shape.dtype)) for _ in range(4))  # type: ignore[return-value]
 
 
+def _decode_inputs(shape: Shape, seed: int) -> tuple[Any, Any, Any, Any]:
+    """q (B, Hq, 1, D), the caches (B, Hk, S, D) and cache_seqlens = S for every row, as a device array."""
+    import cupy
+
+    from .device import cupy_dtype
+
+    rng = cupy.random.default_rng(seed)
+    dt = cupy_dtype(shape.dtype)
+    q = rng.standard_normal((shape.b, shape.h, 1, shape.d), dtype=cupy.float32).astype(dt)
+    kc, vc = (rng.standard_normal((shape.b, DECODE_HK, shape.n, shape.d), dtype=cupy.float32).astype(dt)
+              for _ in range(2))  # fmt: skip
+    return q, kc, vc, cupy.full((shape.b,), shape.n, dtype=cupy.int32)
+
+
 def ours(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed:
+    """For the decode row k and v are the caches and ``do`` the cache_seqlens array."""
     import cupy
 
     import cupyflash as cf
 
     c = row.shape.causal
-    if row.workload == "linear":
+    if row.workload == "decode":
+        call = lambda: cf.attention_with_kvcache(q, k, v, cache_seqlens=do)  # noqa: E731
+    elif row.workload == "linear":
         call = lambda: cf.linear_attention_forward(q, k, v, causal=c)  # noqa: E731
     elif row.pass_ == "fwd":
         call = lambda: cf.attention_forward(q, k, v, c)  # noqa: E731
@@ -114,8 +143,9 @@ def ours(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed:
 
 
 def sdpa(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed | None:
-    """PyTorch SDPA (its own backend choice, as a user calls it); None for linear attention."""
-    if row.workload != "softmax":
+    """PyTorch SDPA (its own backend choice, as a user calls it); None for linear attention. For the decode row,
+    the dense call that reads the same keys: q against the cache, grouped heads (``enable_gqa``)."""
+    if row.workload == "linear":
         return None
     import torch
     import torch.nn.functional as F
@@ -123,6 +153,10 @@ def sdpa(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed | None:
     from .device import to_torch
 
     c = row.shape.causal
+    if row.workload == "decode":
+        tq, tk, tv = (to_torch(x) for x in (q, k, v))
+        return Timed(lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), torch.cuda.synchronize,
+                     timing.TorchClock(), torch.no_grad)  # fmt: skip
     tq, tk, tv, tdo = (to_torch(x) for x in (q, k, v, do))
     if row.pass_ == "fwd":
         return Timed(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=c), torch.cuda.synchronize,
@@ -139,8 +173,8 @@ def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, 
     the CUDA-event time of the same call."""
     records: list[Record] = []
     for r in rows:
-        q, k, v, do = _cupy_inputs(r.shape, seed)
-        impls = [("cupyflash" if r.workload == "softmax" else "cupyflash-linear", ours)]
+        q, k, v, do = (_decode_inputs if r.workload == "decode" else _cupy_inputs)(r.shape, seed)
+        impls = [("cupyflash-linear" if r.workload == "linear" else "cupyflash", ours)]
         if use_sdpa:
             impls.append(("sdpa", sdpa))
         for name, make in impls:

@@ -7,6 +7,8 @@ other kernel's argument, and the variant policies are reused as they are.
 """
 from __future__ import annotations
 
+import ctypes
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +210,79 @@ def instantiations() -> list[tuple[str, str]]:
     out += [f"cupyflash::merge_states<float, {t}>" for t in ("float", "__half", "__nv_bfloat16")]
     out += ["cupyflash::merge_states<__half, __half>", "cupyflash::merge_states<__nv_bfloat16, __nv_bfloat16>"]
     return [(SOURCE, e) for e in out]
+
+
+# ---------------------------------------------------------------------------- launches made ready
+
+
+def field_offset(name: str) -> int:
+    """Byte offset of a DecodeParams field; ``attn.<name>`` for the embedded AttentionParams' fields."""
+    if name.startswith("attn."):
+        return DECODE_PARAMS.fields["attn"][1] + PARAMS.fields[name[5:]][1]
+    return DECODE_PARAMS.fields[name][1]
+
+
+class PointerWriter:
+    """Writes a fixed list of 8-byte DecodeParams fields (pointers) into a launch's argument buffer in place:
+    fields adjacent in the struct go in one ``pack_into``, so a call costs a handful of them."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        spots = sorted((field_offset(n), i) for i, n in enumerate(names))
+        runs: list[tuple[int, list[int]]] = []
+        for off, i in spots:
+            if runs and runs[-1][0] + 8 * len(runs[-1][1]) == off:
+                runs[-1][1].append(i)
+            else:
+                runs.append((off, [i]))
+        self.runs = tuple((struct.Struct("<" + "Q" * len(ix)).pack_into, off, tuple(ix)) for off, ix in runs)
+
+    def write(self, buffer: Any, values: tuple[int, ...]) -> None:
+        for pack_into, off, ix in self.runs:
+            pack_into(buffer, off, *[values[i] for i in ix])
+
+
+SEQLEN_CONST_AT = field_offset("seqlen_const")
+_INT32 = struct.Struct("<i")
+
+
+def write_seqlen_const(buffer: Any, value: int) -> None:
+    _INT32.pack_into(buffer, SEQLEN_CONST_AT, value)
+
+
+class _MergeArgs(ctypes.Structure):
+    """merge_states' parameters, in order, as the kernel's parameter array points at them."""
+
+    _fields_ = [*((n, ctypes.c_uint64) for n in ("o_parts", "lse_parts", "o", "lse", "sinks")),
+                ("rows", ctypes.c_int64), *((n, ctypes.c_int32) for n in ("parts", "d", "nq", "hq"))]
+
+
+class MergeLaunch:
+    """``merge_states`` over a split-KV workspace made ready for repeated calls (as ``build.Launch`` is for the
+    struct-argument kernels): its sizes set once, the pointers (``o_parts``, ``lse_parts``, ``o``, ``lse``,
+    ``sinks``) assigned per call, one driver call per launch."""
+
+    __slots__ = ("plan", "args", "_argv", "_argv_ptr", "_fn", "_dims")
+
+    def __init__(self, tin: np.dtype, tout: np.dtype, rows: int, parts: int, d: int, nq: int, hq: int) -> None:
+        warps = THREADS // 32
+        self.plan = LaunchPlan(SOURCE, merge_name(tin, tout), (cdiv(rows, warps), 1, 1), (THREADS, 1, 1), 0)
+        self.args = _MergeArgs(rows=rows, parts=parts, d=d, nq=nq, hq=hq)
+        base = ctypes.addressof(self.args)
+        offsets = [getattr(_MergeArgs, f).offset for f, _ in _MergeArgs._fields_]
+        self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
+        self._argv_ptr = ctypes.addressof(self._argv)
+        self._fn = 0
+        self._dims = (*self.plan.grid, *self.plan.block, 0)
+
+    def fire(self, stream: int) -> None:
+        """Queue the merge on ``stream`` with the arguments as they are now (the driver copies them)."""
+        import cupy
+
+        if not self._fn:
+            self._fn = build._function_ptr(self.plan)
+        cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
 
 
 # ---------------------------------------------------------------------------- launches
