@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s[mi], row0, j0, pol.mask);
       float alpha[2];
       online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
-      // Dropout after the row sums (lse stays undropped): P V takes P * keep / (1 - p).
+      // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
       if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s[mi], row0, j0, pol.dropout);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -171,5 +171,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
 
   // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
 #pragma unroll
-  for (int mi = 0; mi < kM; ++mi) store_o_lse<T>(p, b, h, q0 + row_w + mi * 16, acc[mi], m_run[mi], l_run[mi]);
+  for (int mi = 0; mi < kM; ++mi) {
+    if constexpr (Policy::Dropout::kOn) dropout_scale_o(acc[mi], pol.dropout);
+    store_o_lse<T>(p, b, h, q0 + row_w + mi * 16, acc[mi], m_run[mi], l_run[mi]);
+  }
 }

@@ -32,7 +32,8 @@ template <bool kFits32> struct KeepBitsOf { using type = unsigned long long; };
 template <> struct KeepBitsOf<true> { using type = unsigned; };
 
 // Dropout on a strip of probabilities (issue 16), layout as in mask_strip; row0 and col0 are multiples of 16.
-// kSigned = false: P *= Z = keep / (1 - p) (the forward). kSigned = true: P stays, negated where dropped, so
+// kSigned = false: P *= keep (the forward, which scales O by 1 / (1 - p) once at the end: dropout_scale_o).
+// kSigned = true: P stays, negated where dropped, so
 // that the backward can take P * keep (max(P, 0)) for dV and both P and Z for dS from one set of registers.
 // One Philox draw covers a group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block (dropout.cuh): of its
 // four words this lane holds two (query-major: the words of its row parity i % 2 = g % 2; key-major, rows are
@@ -96,7 +97,7 @@ __device__ __forceinline__ void dropout_apply(float (&s)[NT][4], KeepBits<NT> bi
       const int bit = 8 * (n >> 1) + 4 * (e & 1) + (kKeyRows ? 2 * (e >> 1) + (n & 1) : 2 * (n & 1) + (e >> 1));
       const bool kept = (bits >> bit) & 1;
       if constexpr (kSigned) s[n][e] = kept ? s[n][e] : -s[n][e];
-      else s[n][e] *= kept ? drop.scale : 0.f;
+      else s[n][e] = kept ? s[n][e] : 0.f;
     }
   }
 }
@@ -104,6 +105,16 @@ __device__ __forceinline__ void dropout_apply(float (&s)[NT][4], KeepBits<NT> bi
 template <int NT, bool kKeyRows, bool kSigned, class Dropout>
 __device__ __forceinline__ void dropout_strip(float (&s)[NT][4], int row0, int col0, const Dropout& drop) {
   dropout_apply<NT, kKeyRows, kSigned>(s, dropout_bits<NT, kKeyRows>(row0, col0, drop), drop);
+}
+
+// The forward's O accumulators times 1 / (1 - p) (dropout_apply<..., false> kept P unscaled): once per block.
+template <int NT, class Dropout>
+__device__ __forceinline__ void dropout_scale_o(float (&acc)[NT][4], const Dropout& drop) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= drop.scale;
+  }
 }
 
 // From a signed P^T tile (dropout_strip<..., true>) to the inputs of ds_tile: P = |P|, and dP^T * Z with
