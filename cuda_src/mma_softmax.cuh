@@ -27,27 +27,24 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0
   }
 }
 
-// The keep bits of a strip of kBlocks 16 x 16 blocks (8 each): one 32-bit register where they fit.
+// The keep bits of a strip of NT / 2 16 x 16 blocks (8 each): one 32-bit register where they fit.
 template <bool kFits32> struct KeepBitsOf { using type = unsigned long long; };
 template <> struct KeepBitsOf<true> { using type = unsigned; };
+template <int NT>
+using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 
 // Dropout on a strip of probabilities (issue 16), layout as in mask_strip; row0 and col0 are multiples of 16.
-// kSigned = false: P *= keep (the forward, which scales O by 1 / (1 - p) once at the end: dropout_scale_o).
-// kSigned = true: P stays, negated where dropped, so
-// that the backward can take P * keep (max(P, 0)) for dV and both P and Z for dS from one set of registers.
+// dropout_bits draws the strip's keep bits (kernels may call it early: before the scores are live, or while the
+// tensor cores run), dropout_apply applies them, dropout_strip does both. Every lane of the warp must call
+// dropout_bits together (it shuffles).
 // One Philox draw covers a group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block (dropout.cuh): of its
 // four words this lane holds two (query-major: the words of its row parity i % 2 = g % 2; key-major, rows are
 // keys: those of its key parity j % 2 = g % 2), lane g ^ 1 the other two. So each lane pair takes two blocks at
 // a time, each lane draws one and hands the partner the two words it holds (two shuffles): one draw per 16
-// scores, none drawn twice. The keep bits are collected first in a rolled loop (unrolled, the draws' registers
-// spilled the tiles that sit at 255 registers), 8 per block, then applied: block m's bit 4a + 2c + d is word a
-// of the pair, byte 2c + d (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major:
-// a = i % 2, c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
-template <int NT>
-using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
-
-// The keep bits of the strip (row0, col0): dropout_strip's first half, which kernels can call early (before the
-// scores are live, or while the tensor cores run) and apply later.
+// scores, none drawn twice. The bits are collected in a rolled loop (unrolled, the draws' registers spilled the
+// tiles that sit at 255 registers), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
+// (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2,
+// c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
 template <int NT, bool kKeyRows, class Dropout>
 __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const Dropout& drop) {
   static_assert(NT % 2 == 0 && NT <= 16, "whole 16 x 16 blocks; keep bits in one 64-bit word");
@@ -87,7 +84,9 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
   return bits >> (kTop - 8 * kBlocks);
 }
 
-// dropout_strip's second half: the bits of dropout_bits applied to the strip s.
+// kSigned = false: P *= keep (the forward, which scales O by 1 / (1 - p) once at the end: dropout_scale_o).
+// kSigned = true: P stays, negated where dropped, so that the backward can take P * keep (max(P, 0)) for dV and
+// both P and Z for dS from one set of registers.
 template <int NT, bool kKeyRows, bool kSigned, class Dropout>
 __device__ __forceinline__ void dropout_apply(float (&s)[NT][4], KeepBits<NT> bits, const Dropout& drop) {
 #pragma unroll
