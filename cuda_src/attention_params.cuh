@@ -83,8 +83,8 @@ struct AttentionParams {
   Strides4 mask_s, bias_s, dbias_s;
   // Dropout (dropout.cuh): the seed and first batch index are written per call / per sub-batch launch.
   unsigned long long dropout_seed;
-  unsigned int dropout_threshold;  // P_ij is kept iff its Philox draw >= this (floor(p * 2^32))
-  float dropout_scale;             // 1 / (1 - p)
+  unsigned int dropout_threshold;  // P_ij is kept iff its 8-bit Philox draw >= this (round(p * 256), <= 255)
+  float dropout_scale;             // 1 / (1 - threshold / 256)
   int dropout_b0;                  // batch index of this launch's first batch (leading dims flattened)
   // Softcap's backward: 1 / softcap_log2, so that tanh is recovered from P with a multiply, not a division.
   float softcap_inv_log2;

@@ -1,14 +1,18 @@
 // Attention dropout's policy member (issue 16): which probabilities P_ij survive, from Philox4x32-10 keyed by
 // (seed, batch, head, i, j), so every family and both passes regenerate the same mask whatever their tiles.
-// The rule (cupyflash/dropout.py has its NumPy twin): key = (seed low, seed high), counter = (j / 2, i / 2,
-// h, b); one draw covers the 2 x 2 block of (i, j) it names, output (i % 2) * 2 + j % 2; P_ij is kept iff
-// that output is >= floor(p * 2^32), and a kept one is scaled by 1 / (1 - p). lse stays undropped.
+// The rule (cupyflash/dropout.py has its NumPy twin and the why): key = (seed low, seed high); one draw serves
+// the 16 scores {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block, counter = (group(j), group(i), h, b)
+// with group(x) = (x / 16) * 4 + (x / 2) % 4; P_ij takes byte 2 ((j / 8) % 2) + (i / 8) % 2 of output word
+// 2 (i % 2) + j % 2 and is kept iff that byte is >= threshold = round(p * 256) (<= 255); a kept one is scaled by
+// 1 / (1 - threshold / 256). lse stays undropped.
 //
 //   pol.dropout.at_head(p, b, h)   // the (batch, query head) whose mask follows
-//   pol.dropout.keep(i, j)         // is P_ij kept?
-//   pol.dropout.scale              // 1 / (1 - p), applied once by the caller
-//   pol.dropout.factor(i, j)       // keep ? 1 / (1 - p) : 0 (1 without dropout)
+//   pol.dropout.keep(i, j)         // is P_ij kept? (one draw per call: the portable kernels' per-element path)
+//   pol.dropout.scale              // 1 / (1 - threshold / 256), applied once by the caller
+//   pol.dropout.factor(i, j)       // keep ? scale : 0 (1 without dropout)
+//   pol.dropout.draw_group(gi, gj) // one draw: the 16 bytes of row group gi x column group gj
 //   Policy::Dropout::kOn           // false for NoDropout: kernels compile the dropout code out
+// The tensor-core kernels draw a strip's groups through dropout_bits (mma_softmax.cuh): one per 16 scores.
 #pragma once
 #include "attention_params.cuh"
 #include "philox.cuh"
@@ -24,6 +28,28 @@ struct NoDropout {
   __device__ __forceinline__ float factor(int, int) const { return 1.f; }
 };
 
+// byte >= threshold for the four bytes of a word at once: the carry out of byte + (256 - threshold), with the low
+// seven bits of each byte added in one 32-bit add (no carry crosses a byte) and the top bits by a majority.
+struct ByteThreshold {
+  unsigned add;  // (256 - threshold) % 128 in every byte (0x80 in every byte for threshold 0: all kept)
+  unsigned top;  // 0x80808080 where 256 - threshold has its top bit (and for threshold 0), else 0
+  __device__ explicit ByteThreshold(unsigned threshold) {
+    const unsigned u = 256u - threshold;
+    add = threshold == 0u ? 0x80808080u : (u & 0x7Fu) * 0x01010101u;
+    top = (threshold == 0u || (u & 0x80u)) ? 0x80808080u : 0u;
+  }
+  // The carries of w's bytes at bits 7, 15, 23, 31.
+  __device__ __forceinline__ unsigned carries(unsigned w) const {
+    const unsigned x = (w & 0x7F7F7F7Fu) + add;
+    return ((w & x) | ((w | x) & top)) & 0x80808080u;
+  }
+  // Keep bits of two words: bit k = byte k of w0 kept, bit 4 + k = byte k of w1 (the multiply gathers bits
+  // 8k + 3 and 8k + 7 to 24 + k and 28 + k; the other partial products land on distinct bits below 24).
+  __device__ __forceinline__ unsigned kept8(unsigned w0, unsigned w1) const {
+    return ((carries(w1) | (carries(w0) >> 4)) * 0x00204081u) >> 24;
+  }
+};
+
 struct Dropout {
   static constexpr bool kOn = true;
   unsigned k0, k1, threshold;
@@ -37,17 +63,23 @@ struct Dropout {
     b = static_cast<unsigned>(p.dropout_b0 + batch);
     h = static_cast<unsigned>(head);
   }
-  // The four draws of the 2 x 2 block holding (i, j): x = (even i, even j), y = (even, odd), z = (odd, even),
-  // w = (odd, odd). Callers that hold several elements of a block draw once and pick with kept().
-  __device__ __forceinline__ Philox4 draw(int i, int j) const {
-    return philox4x32_10({static_cast<unsigned>(j) >> 1, static_cast<unsigned>(i) >> 1, h, b}, k0, k1);
+  // The counter word of a row (or column) index: its 16-block, and its pair inside the block's first 8.
+  static __device__ __forceinline__ unsigned group(int x) {
+    return ((static_cast<unsigned>(x) >> 4) << 2) | ((static_cast<unsigned>(x) >> 1) & 3u);
   }
-  __device__ __forceinline__ bool kept(const Philox4& r, int i, int j) const {
-    const unsigned u = (i & 1) ? ((j & 1) ? r.w : r.z) : ((j & 1) ? r.y : r.x);
-    return u >= threshold;
+  __device__ __forceinline__ Philox4 draw_group(unsigned gi, unsigned gj) const {
+    return philox4x32_10({gj, gi, h, b}, k0, k1);
   }
-  __device__ __forceinline__ bool keep(int i, int j) const { return kept(draw(i, j), i, j); }
-  // Z_ij = keep / (1 - p): the factor on P_ij in O and dV, and on dP_ij in dS = P (Z dP - Delta).
+  // The byte of P_ij in its group's draw.
+  static __device__ __forceinline__ unsigned byte_of(const Philox4& r, int i, int j) {
+    const int word = 2 * (i & 1) + (j & 1);
+    const unsigned w = word == 0 ? r.x : word == 1 ? r.y : word == 2 ? r.z : r.w;
+    return (w >> (8 * (2 * ((j >> 3) & 1) + ((i >> 3) & 1)))) & 0xFFu;
+  }
+  __device__ __forceinline__ bool keep(int i, int j) const {
+    return byte_of(draw_group(group(i), group(j)), i, j) >= threshold;
+  }
+  // Z_ij = keep / (1 - p_eff): the factor on P_ij in O and dV, and on dP_ij in dS = P (Z dP - Delta).
   __device__ __forceinline__ float factor(int i, int j) const { return keep(i, j) ? scale : 0.f; }
 };
 

@@ -124,7 +124,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       mma_k16<T, false>(s, a, [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
     }
 
-    // Mask (only partial tiles), online softmax with the scale in the exponent.
+    // Mask (only partial tiles), online softmax with the scale in the exponent. With dropout each strip is packed
+    // as soon as it is done (P as A fragments: half the registers while the next strip draws).
+    uint32_t pa[kM][Bc / 16][4];
 #pragma unroll
     for (int mi = 0; mi < kM; ++mi) {
       const int row0 = q0 + row_w + mi * 16;
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s[mi], row0, j0, pol.mask);
       float alpha[2];
       online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
-      // Dropout after the row sums (lse stays undropped): P V takes P * keep / (1 - p).
+      // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
       if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s[mi], row0, j0, pol.dropout);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -141,12 +143,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
         acc[mi][n][2] *= alpha[1];
         acc[mi][n][3] *= alpha[1];
       }
+      if constexpr (Policy::Dropout::kOn) pack_a<T>(pa[mi], s[mi]);
     }
 
     // P as A fragments: C tiles 2kk and 2kk+1 form the k16 block kk.
-    uint32_t pa[kM][Bc / 16][4];
+    if constexpr (!Policy::Dropout::kOn) {
 #pragma unroll
-    for (int mi = 0; mi < kM; ++mi) pack_a<T>(pa[mi], s[mi]);
+      for (int mi = 0; mi < kM; ++mi) pack_a<T>(pa[mi], s[mi]);
+    }
 
     cp_async_wait<2 * kStages - 2>();  // V_t
     __syncthreads();
@@ -171,5 +175,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
 
   // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
 #pragma unroll
-  for (int mi = 0; mi < kM; ++mi) store_o_lse<T>(p, b, h, q0 + row_w + mi * 16, acc[mi], m_run[mi], l_run[mi]);
+  for (int mi = 0; mi < kM; ++mi) {
+    if constexpr (Policy::Dropout::kOn) dropout_scale_o(acc[mi], pol.dropout);
+    store_o_lse<T>(p, b, h, q0 + row_w + mi * 16, acc[mi], m_run[mi], l_run[mi]);
+  }
 }

@@ -27,35 +27,92 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0
   }
 }
 
-// Dropout on a strip of probabilities (issue 16), layout as in mask_strip. A lane's pair (col, col + 1),
-// col even, lies in one 2 x 2 Philox block with its row (dropout.cuh), so one draw serves the pair.
-// kSigned = false: P *= Z = keep / (1 - p) (the forward). kSigned = true: P stays, negated where dropped, so
-// that the backward can take P * keep (max(P, 0)) for dV and both P and Z for dS from one set of registers.
-// The keep bits are drawn first, one Philox at a time in a rolled loop (bit 4n + e for s[n][e]): unrolled,
-// the draws' registers spilled the tiles that sit at 255 registers.
-template <int NT, bool kKeyRows, bool kSigned, class Dropout>
-__device__ __forceinline__ void dropout_strip(float (&s)[NT][4], int row0, int col0, const Dropout& drop) {
-  static_assert(NT <= 16, "keep bits in one 64-bit word");
+// The keep bits of a strip of NT / 2 16 x 16 blocks (8 each): one 32-bit register where they fit.
+template <bool kFits32> struct KeepBitsOf { using type = unsigned long long; };
+template <> struct KeepBitsOf<true> { using type = unsigned; };
+template <int NT>
+using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
+
+// Dropout on a strip of probabilities (issue 16), layout as in mask_strip; row0 and col0 are multiples of 16.
+// dropout_bits draws the strip's keep bits (kernels may call it early: before the scores are live, or while the
+// tensor cores run), dropout_apply applies them, dropout_strip does both. Every lane of the warp must call
+// dropout_bits together (it shuffles).
+// One Philox draw covers a group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block (dropout.cuh): of its
+// four words this lane holds two (query-major: the words of its row parity i % 2 = g % 2; key-major, rows are
+// keys: those of its key parity j % 2 = g % 2), lane g ^ 1 the other two. So each lane pair takes two blocks at
+// a time, each lane draws one and hands the partner the two words it holds (two shuffles): one draw per 16
+// scores, none drawn twice. The bits are collected in a rolled loop (unrolled, the draws' registers spilled the
+// tiles that sit at 255 registers), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
+// (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2,
+// c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
+template <int NT, bool kKeyRows, class Dropout>
+__device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const Dropout& drop) {
+  static_assert(NT % 2 == 0 && NT <= 16, "whole 16 x 16 blocks; keep bits in one 64-bit word");
+  constexpr int kBlocks = NT / 2;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  unsigned long long bits = 0;
+  const bool odd = (lane >> 2) & 1;                                  // g % 2: which half of each group
+  const unsigned row_group = Dropout::group(row0 + (lane >> 2));     // the same for both rows of the lane
+  const unsigned col_group = Dropout::group(col0 + (lane & 3) * 2);  // block m: + 4m
+  const ByteThreshold ge(drop.threshold);
+  // Block m's draw: the lane's two words, and the two it hands to lane g ^ 1 (each pair in word order a = 0, 1).
+  auto draw = [&](int m, unsigned& own0, unsigned& own1, unsigned& give0, unsigned& give1) {
+    const unsigned cg = col_group + 4u * static_cast<unsigned>(m);
+    const Philox4 r = kKeyRows ? drop.draw_group(cg, row_group) : drop.draw_group(row_group, cg);
+    if constexpr (kKeyRows) {  // words 2 (i % 2) + j % 2 with j % 2 = g % 2: (x, z) even, (y, w) odd
+      own0 = odd ? r.y : r.x, own1 = odd ? r.w : r.z, give0 = odd ? r.x : r.y, give1 = odd ? r.z : r.w;
+    } else {                   // i % 2 = g % 2: (x, y) even, (z, w) odd
+      own0 = odd ? r.z : r.x, own1 = odd ? r.w : r.y, give0 = odd ? r.x : r.z, give1 = odd ? r.y : r.w;
+    }
+  };
+  using Bits = KeepBits<NT>;
+  constexpr int kTop = 8 * static_cast<int>(sizeof(Bits));
+  Bits bits = 0;  // filled from the top, 16 bits (two blocks) per step
 #pragma unroll 1
-  for (int x = 0; x < 2 * NT; ++x) {  // x = 2n + hf
-    const int row = row0 + (lane >> 2) + (x & 1) * 8;
-    const int col = col0 + (x >> 1) * 8 + (lane & 3) * 2;
-    const int i = kKeyRows ? col : row, j = kKeyRows ? row : col;
-    const Philox4 r = drop.draw(i, j);
-    const bool k0 = drop.kept(r, i, j);
-    const bool k1 = kKeyRows ? drop.kept(r, i + 1, j) : drop.kept(r, i, j + 1);
-    bits |= static_cast<unsigned long long>(k0 | (k1 << 1)) << (2 * x);  // e = 2 hf + {0, 1}
+  for (int m = 0; m + 1 < kBlocks; m += 2) {  // the even lane draws block m, the odd one m + 1
+    unsigned own0, own1, give0, give1;
+    draw(m + odd, own0, own1, give0, give1);
+    const unsigned got0 = __shfl_xor_sync(0xFFFFFFFFu, give0, 4), got1 = __shfl_xor_sync(0xFFFFFFFFu, give1, 4);
+    const unsigned own = ge.kept8(own0, own1), got = ge.kept8(got0, got1);
+    const unsigned pair = odd ? got | (own << 8) : own | (got << 8);
+    bits = (bits >> 16) | (static_cast<Bits>(pair) << (kTop - 16));
   }
+  if constexpr (kBlocks % 2 == 1) {  // an odd last block: both lanes draw it (Bc = 16 only)
+    unsigned own0, own1, give0, give1;
+    draw(kBlocks - 1, own0, own1, give0, give1);
+    bits = (bits >> 8) | (static_cast<Bits>(ge.kept8(own0, own1)) << (kTop - 8));
+  }
+  return bits >> (kTop - 8 * kBlocks);
+}
+
+// kSigned = false: P *= keep (the forward, which scales O by 1 / (1 - p) once at the end: dropout_scale_o).
+// kSigned = true: P stays, negated where dropped, so that the backward can take P * keep (max(P, 0)) for dV and
+// both P and Z for dS from one set of registers.
+template <int NT, bool kKeyRows, bool kSigned, class Dropout>
+__device__ __forceinline__ void dropout_apply(float (&s)[NT][4], KeepBits<NT> bits, const Dropout& drop) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const bool kept = (bits >> (4 * n + e)) & 1;
+      const int bit = 8 * (n >> 1) + 4 * (e & 1) + (kKeyRows ? 2 * (e >> 1) + (n & 1) : 2 * (n & 1) + (e >> 1));
+      const bool kept = (bits >> bit) & 1;
       if constexpr (kSigned) s[n][e] = kept ? s[n][e] : -s[n][e];
-      else s[n][e] *= kept ? drop.scale : 0.f;
+      else s[n][e] = kept ? s[n][e] : 0.f;
     }
+  }
+}
+
+template <int NT, bool kKeyRows, bool kSigned, class Dropout>
+__device__ __forceinline__ void dropout_strip(float (&s)[NT][4], int row0, int col0, const Dropout& drop) {
+  dropout_apply<NT, kKeyRows, kSigned>(s, dropout_bits<NT, kKeyRows>(row0, col0, drop), drop);
+}
+
+// The forward's O accumulators times 1 / (1 - p) (dropout_apply<..., false> kept P unscaled): once per block.
+template <int NT, class Dropout>
+__device__ __forceinline__ void dropout_scale_o(float (&acc)[NT][4], const Dropout& drop) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= drop.scale;
   }
 }
 

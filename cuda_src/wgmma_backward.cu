@@ -183,6 +183,16 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     }
     wgmma::commit();
 
+    // Dropout's keep bits of this step, drawn while S^T and dP^T run on the tensor cores where registers allow
+    // (plain scores: with softcap/ALiBi the bits held through score_strip spilled 156 B at D = 64), else after.
+    constexpr bool kEarlyBits = Policy::Dropout::kOn && Policy::Score::kIdentity;
+    KeepBits<kNQ> keep = 0;
+    if constexpr (kEarlyBits) {
+      typename Policy::Dropout drop(p);
+      drop.at_head(p, b, hh);
+      keep = dropout_bits<kNQ, true>(key_w, i0, drop);
+    }
+
     // P^T, while dP^T is in flight.
     wgmma::wait<1>();
     wgmma::fence_operands(st);
@@ -199,7 +209,8 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     // P^T is negated where dropped: dV takes the kept ones (times 1 / (1 - p) at the end), dS splits P and Z.
     uint32_t pt[Br / 16][4];
     if constexpr (Policy::Dropout::kOn) {
-      dropout_strip<kNQ, true, true>(st, key_w, i0, pol.dropout);
+      if constexpr (!kEarlyBits) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
+      dropout_apply<kNQ, true, true>(st, keep, pol.dropout);
 #pragma unroll
       for (int kk = 0; kk < Br / 16; ++kk) pack_a_step_kept<T>(pt[kk], st, kk);
     } else {

@@ -128,15 +128,21 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     }
     wgmma::commit();
   };
+  // Tile t's dropout keep bits (none without dropout): drawn after S_t and P_{t-1} V_{t-1} are issued, so that
+  // Philox's integer work runs while the tensor cores do (and before the softmax's registers are live).
+  auto keep_bits = [&](int t) {
+    if constexpr (Policy::Dropout::kOn) return dropout_bits<kNT, false>(q0 + row_w, (kt.end - 1 - t) * Bc, pol.dropout);
+    else return 0u;
+  };
   // Mask (only partial tiles) and online softmax: s becomes P_t unrounded.
-  auto softmax = [&](float (&s)[kNT][4], int t, float (&alpha)[2]) {
+  auto softmax = [&](float (&s)[kNT][4], int t, float (&alpha)[2], KeepBits<kNT> keep) {
     const int j0 = (kt.end - 1 - t) * Bc;
     const int row0 = q0 + row_w;
     const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
-    // Dropout after the row sums (lse stays undropped): P V takes P * keep / (1 - p).
-    if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s, row0, j0, pol.dropout);
+    // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
+    if constexpr (Policy::Dropout::kOn) dropout_apply<kNT, false, false>(s, keep, pol.dropout);
   };
 
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step t issues S_t and then
@@ -150,9 +156,10 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
       float s[kNT][4], alpha[2];
       await_tile(0);
       issue_s(s, 0);
+      const KeepBits<kNT> keep = keep_bits(0);
       wgmma::wait<0>();
       wgmma::fence_operands(s);
-      softmax(s, 0, alpha);  // acc is still zero: no rescale
+      softmax(s, 0, alpha, keep);  // acc is still zero: no rescale
       pack_a<T>(pa, s);
     }
     for (int t = 1; t < n_tiles; ++t) {
@@ -160,9 +167,10 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
       await_tile(t);
       issue_s(s, t);
       issue_pv(t - 1);
+      const KeepBits<kNT> keep = keep_bits(t);
       wgmma::wait<1>();  // S_t has landed; P_{t-1} V_{t-1} may still run
       wgmma::fence_operands(s);
-      softmax(s, t, alpha);
+      softmax(s, t, alpha, keep);
       wgmma::wait<0>();  // P_{t-1} V_{t-1} has landed: acc and p are free again
       wgmma::fence_operands(acc);
       wgmma::fence_operands(pa);
@@ -182,5 +190,6 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   cp_async_wait<0>();
 
   // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
+  if constexpr (Policy::Dropout::kOn) dropout_scale_o(acc, pol.dropout);
   store_o_lse<T>(p, b, h, q0 + row_w, acc, m_run, l_run);
 }

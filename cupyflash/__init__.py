@@ -13,7 +13,7 @@ from .varlen_api import (
     attention_varlen_forward,
     attention_varlen_vjp,
 )
-from .dropout import dropout_mask
+from .dropout import dropout_mask, effective_dropout_p
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -33,6 +33,7 @@ __all__ = [
     "attention_varlen_backward",
     "attention_varlen_vjp",
     "dropout_mask",
+    "effective_dropout_p",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

@@ -65,7 +65,11 @@ def attention_forward(
             Scores are formed as scale -> softcap -> ALiBi -> bias -> window/causal mask and mask -> softmax
             (with the sink).
         dropout_p: attention dropout in [0, 1): after the softmax each probability is kept with probability
-            ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; lse stays that of the undropped softmax.
+            ``1 - p_eff`` and scaled by ``1 / (1 - p_eff)``; lse stays that of the undropped softmax. The keep
+            test compares 8-bit random numbers (FlashAttention-2's precision), so ``p_eff =
+            cupyflash.effective_dropout_p(dropout_p) = round(dropout_p * 256) / 256`` (at most 255/256; below
+            1/512 nothing is dropped): 0.1 drops 26/256 = 0.1016. The scaling uses p_eff, so the expectation is
+            exact.
         dropout_seed: an int in [0, 2**64), required when ``dropout_p > 0``: the keep mask is Philox4x32-10
             keyed by (seed, batch, head, i, j) (``cupyflash.dropout_mask`` returns it), so the backward given
             the same seed regenerates it. ``attention`` and ``attention_vjp`` draw one when none is given.

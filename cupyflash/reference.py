@@ -137,13 +137,13 @@ def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> int | None:
 
 
 def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, cols: Any) -> Any:
-    """keep / (1 - p) on the rows x cols tile, (*batch, Hk, G, len(rows), len(cols)), broadcasting like S; None
+    """keep / (1 - p_eff) on the rows x cols tile, (*batch, Hk, G, len(rows), len(cols)), broadcasting like S; None
     without dropout. The mask is ``dropout.keep``'s (the kernels' rule)."""
     if not p.variant.dropout > 0:
         return None
     rows, cols = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (rows, cols))
     kept = _dropout.keep(seed, p.variant.dropout, np.arange(p.batch_size), np.arange(p.hq), rows, cols)
-    z = kept.reshape(*p.batch, p.hk, p.group, len(rows), len(cols)) / (1.0 - p.variant.dropout)
+    z = kept.reshape(*p.batch, p.hk, p.group, len(rows), len(cols)) * _dropout.keep_scale(p.variant.dropout)
     return xp.asarray(z)
 
 
@@ -159,7 +159,8 @@ def attention_forward(
 
     scores = scale q k^T, then softcap, then ALiBi, then the bias, then the causal/window mask and the mask
     array; a sink logit per head joins every row's denominator (and its lse). With dropout, o = (P * keep /
-    (1 - p)) v with ``cupyflash.dropout_mask``'s keep mask; lse is the undropped one."""
+    (1 - p_eff)) v with ``cupyflash.dropout_mask``'s keep mask and p_eff = ``cupyflash.effective_dropout_p(p)``;
+    lse is the undropped one."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
                         **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias,
                                           dropout_p))  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .dropout import keep_scale as dropout_keep_scale
 from .dropout import threshold as dropout_threshold
 
 LOG2E = 1.4426950408889634
@@ -36,8 +37,9 @@ class Variant:
     sinks: one logit per query head joins every row's softmax denominator.
     mask: a bool array (True = may attend) is ANDed with the mask above (issue 17).
     bias: the C++ element type of an additive bias array (added after softcap and ALiBi), or None.
-    dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p
-        (``dropout.py``'s mask) and scaled by 1 / (1 - p); lse stays that of the undropped softmax.
+    dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p_eff
+        (``dropout.py``'s mask; p_eff = p rounded to a multiple of 1/256) and scaled by 1 / (1 - p_eff); lse stays
+        that of the undropped softmax.
     """
 
     causal: bool = False
@@ -93,7 +95,7 @@ class Variant:
             "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
             "softcap_inv_log2": 1.0 / (cap * LOG2E) if cap > 0 else 0.0,
             "dropout_threshold": dropout_threshold(self.dropout),
-            "dropout_scale": 1.0 / (1.0 - self.dropout),
+            "dropout_scale": dropout_keep_scale(self.dropout),
         }
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:

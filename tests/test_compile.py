@@ -62,10 +62,10 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
         192,
     ("wgmma_flash_bwd<__nv_bfloat16, 64, 128, 2, 2, cupyflash::Policy<cupyflash::Window, cupyflash::ModScore>", "*"):
         256,
-    # The same kernels with dropout (issue 16): causal + softcap + dropout measured 108/180 B (bf16) with NVRTC
-    # 13.5, below the allowance of the kernel without dropout.
+    # The same kernels with dropout (issue 16), measured with NVRTC 13.5 (bf16) after the 16-scores-per-draw rule:
+    # causal + softcap 0 B (was 112/180), window + softcap 124/200 B (was 120/192: the strip's shuffled words).
     **{(f"wgmma_flash_bwd<{ct}, 64, 128, 2, 2, cupyflash::Policy<cupyflash::{mask}, cupyflash::ModScore, "
-        "cupyflash::Dropout>", "*"): 192
+        "cupyflash::Dropout>", "*"): 192 if mask != "Window" else 208
        for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
 }
 

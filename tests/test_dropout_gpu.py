@@ -8,9 +8,12 @@
   float32 relative error <= 1e-5 (o) / 1e-4 (grads); 16-bit: the fixed bounds of tests/conftest.py.
   Outputs are NaN-poisoned before each launch (family entry points) or checked NaN-free (API).
 - Same seed, same bits; another seed, another mask; attention_vjp draws a seed and its backward keeps it.
+- The thresholds' ends: p = 0.001 rounds to 0/256 (everything kept, scale 1) and p = 0.999 to 255/256; the masks
+  still equal ``dropout_mask`` (whose p is ``effective_dropout_p(p)``, as the reference's).
 
-Every family is reached explicitly; the mma family at D = 64 (key-major backward), D = 128 (2-D backward) and
-D = 256 (mask test); wgmma (Hopper only) at D = 64 and 128.
+Every family is reached explicitly; the mma family at D = 64 (key-major backward), D = 128 (2-D backward),
+D = 32 (a 128-key forward strip: 64 keep bits per lane) and D = 256 (a 16-key forward strip: one 16 x 16 block,
+drawn by both lanes of a pair; a key-major backward split over d); wgmma (Hopper only) at D = 64 and 128.
 """
 from __future__ import annotations
 
@@ -89,6 +92,53 @@ def test_kernel_mask_is_dropout_mask(kernel, dtype, batch, hq, hk, nq, causal, p
     if causal:  # hidden pairs have P = 0 whatever the mask
         want &= np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq
     assert np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} mask elements differ"
+
+
+def _mask_of_kernel(kernel, dtype, batch, hq, hk, nq, nk, causal, p_drop, seed, rng):
+    """The keep mask a family's forward applied (V = I, D = Nk), and dropout_mask's (causal pairs hidden)."""
+    dt = DTYPES[dtype]
+    q = cupy.asarray(rng.standard_normal((*batch, hq, nq, nk)).astype(dt))
+    k = cupy.asarray(rng.standard_normal((*batch, hk, nk, nk)).astype(dt))
+    v = cupy.asarray(np.broadcast_to(np.eye(nk, dtype=dt), (*batch, hk, nk, nk)).copy())
+    o, _ = _forward(kernel, q, k, v, check_attention(q, k, v, causal=causal, dropout_p=p_drop), seed)
+    want = cupyflash.dropout_mask(batch, hq, nq, nk, p_drop, seed)
+    if causal:
+        want &= np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq
+    return o.get() != 0, want
+
+
+THRESHOLD_FAMILIES = [("portable", "float32"), ("mma", "bfloat16"), pytest.param("wgmma", "bfloat16", marks=_needs_hopper)]
+
+
+@pytest.mark.parametrize("kernel, dtype", THRESHOLD_FAMILIES)
+@pytest.mark.parametrize("p_drop", [0.001, 0.999])
+def test_threshold_ends(kernel, dtype, p_drop, rng):
+    """p = 0.001 keeps everything (threshold 0: the kernels' byte comparison has a case of its own), p = 0.999
+    keeps 1/256."""
+    got, want = _mask_of_kernel(kernel, dtype, (2,), 2, 1, 96, 64, False, p_drop, 2**64 - 3, rng)
+    assert want.all() if p_drop < 0.002 else want.mean() < 0.02
+    assert np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} mask elements differ"
+
+
+@pytest.mark.parametrize("d", [32, 256])
+def test_mma_strip_ends(d, rng):
+    """The mma forward's longest strip (D = 32: Bc = 128, 64 keep bits per lane) and shortest (D = 256: Bc = 16,
+    one block drawn by both lanes of a pair); at D = 256 the backward too (key-major, split over d)."""
+    got, want = _mask_of_kernel("mma", "bfloat16", (1,), 2, 2, 150, d, True, 0.3, 12345, rng)
+    assert np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} mask elements differ"
+    if d != 256:
+        return
+    q, k, v = random_qkv(rng, (2,), 4, 2, 100, 90, d, DTYPES["bfloat16"])
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    drop = dict(dropout_p=0.17, dropout_seed=99)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    o, lse = cupyflash.attention_forward(qd, kd, vd, True, kernel="mma", **drop)
+    grads = cupyflash.attention_backward(dod, qd, kd, vd, o, lse, True, kernel="mma", **drop)
+    ro, _ = reference.attention_forward(q, k, v, True, **drop)
+    rgrads = reference.attention_backward(do, q, k, v, o.get(), lse.get(), True, **drop)
+    assert rel_err(o.get(), ro) <= TOL_OUT["bfloat16"]
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rgrads):
+        assert rel_err(g.get(), r) <= TOL_GRAD["bfloat16"], name
 
 
 def test_sub_batch_launches_continue_the_batch_index(rng):
