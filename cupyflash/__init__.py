@@ -14,6 +14,8 @@ from .varlen_api import (
     attention_varlen_vjp,
 )
 from .dropout import dropout_mask
+from .flex import SnippetError
+from .flex_block_mask import BlockMask, create_block_mask
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -33,6 +35,9 @@ __all__ = [
     "attention_varlen_backward",
     "attention_varlen_vjp",
     "dropout_mask",
+    "create_block_mask",
+    "BlockMask",
+    "SnippetError",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

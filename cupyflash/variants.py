@@ -38,6 +38,10 @@ class Variant:
     bias: the C++ element type of an additive bias array (added after softcap and ALiBi), or None.
     dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p
         (``dropout.py``'s mask) and scaled by 1 / (1 - p); lse stays that of the undropped softmax.
+    flex: user snippets (issue 17 part 3, ``flex.py``): a ``FlexSpec`` (C++: the ``FlexScore`` policy) or
+        ``FlexTwins`` (the reference's Python callables); score_mod after ALiBi, mask_mod ANDed with the masks.
+    flex_aux: per aux slot, (extents, element strides, scalar value): the run-time values of ``aux``.
+    block_mask: a block mask's table sizes (``BlockMask.params`` items; C++: ``BlockMasked`` around the mask), or ().
     """
 
     causal: bool = False
@@ -48,6 +52,9 @@ class Variant:
     mask: bool = False
     bias: str | None = None
     dropout: float = 0.0
+    flex: Any = None
+    flex_aux: tuple = ()
+    block_mask: tuple = ()
 
     @classmethod
     def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
@@ -64,11 +71,16 @@ class Variant:
 
     @property
     def mask_name(self) -> str:
-        return "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+        base = "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+        return f"BlockMasked<cupyflash::{base}>" if self.block_mask else base
 
     @property
     def score_name(self) -> str:
         base = "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
+        if self.flex is not None:  # user snippets ride on the built-in score rule (flex_policy.cuh)
+            from .flex import USER
+
+            return f"FlexScore<cupyflash::{base}, {USER}>"
         if not (self.mask or self.bias):
             return base
         # Mask and bias arrays ride on the built-in score rule (ArrayScore); the bias's type is a template
@@ -93,7 +105,24 @@ class Variant:
             "softcap_log2": cap * LOG2E if cap > 0 else 0.0,
             "dropout_threshold": dropout_threshold(self.dropout),
             "dropout_scale": 1.0 / (1.0 - self.dropout),
+            **self._aux_params(),
+            **dict(self.block_mask),
         }
+
+    def _aux_params(self) -> dict[str, Any]:
+        """The aux slots' strides, extents and scalar values (``AttentionParams.aux_*``), when there are any."""
+        if not self.flex_aux:
+            return {}
+        from .flex import MAX_AUX, MAX_AUX_DIMS
+
+        s = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int64)
+        n = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int32)
+        x = np.zeros((MAX_AUX,), np.float64)
+        for i, (shape, strides, value) in enumerate(self.flex_aux):
+            n[i, : len(shape)] = shape
+            s[i, : len(strides)] = strides
+            x[i] = value
+        return {"aux_s": s, "aux_n": n, "aux_x": x}
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:
         """(left, right) with an unbounded side clamped to nq + nk (past every key)."""
