@@ -329,3 +329,15 @@ def test_block_mask_does_not_change_numpy_results(rng):
     o2, l2 = cf.attention_forward(q, k, v, mask_mod=mm)
     np.testing.assert_array_equal(o1, o2)
     np.testing.assert_array_equal(l1, l2)
+
+
+@needs_nvrtc
+def test_block_mask_kernel_compiles():
+    """create_block_mask's generated kernel (the User struct + one block per tile) builds for sm_80 without spills."""
+    from cupyflash.flex_block_mask import _STATES_KERNEL
+    from cupyflash.kernels import build
+
+    spec = flex.FlexSpec(mask_mod="doc(b, q_idx) == doc(b, kv_idx)", aux=(flex.AuxSlot("doc", "int", 2),))
+    source = build.generated_source("block_mask", spec.key, flex.generate(spec) + _STATES_KERNEL)
+    usage = build.nvrtc_compile(source, "cf_block_states", "sm_80")
+    assert usage.registers > 0 and not usage.spills
