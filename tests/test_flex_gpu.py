@@ -16,7 +16,8 @@ snippet sets:
   from an aux (Hq, 32) table (a function body), GQA, sinks, with a block mask (and without: equal results);
 - prefix-lm: keys before a per-batch prefix length (aux int32 (B,)) or causal, Nq != Nk, with a block mask;
 - softcap-alibi: softcap and ALiBi written as a score_mod (slopes from aux, the cap an aux scalar) against the
-  built-in softcap + ALiBi kernels of the same family (within rounding) and against the reference.
+  built-in softcap + ALiBi kernels of the same family (within rounding) and against the reference;
+- with dropout and the deterministic backward (portable float32, prefix-lm).
 """
 from __future__ import annotations
 
@@ -270,3 +271,29 @@ def test_snippet_error_before_launch():
     q = cupy.asarray(np.random.default_rng(0).standard_normal((1, 1, 8, 64)).astype(np.float32))
     with pytest.raises(cupyflash.SnippetError, match="line 1"):
         cupyflash.attention(q, q, q, mask_mod="q_idx >= undefined_kv", kernel="portable")
+
+
+def test_dropout_and_deterministic_with_snippets(rng):
+    """Dropout (a third policy member) and the deterministic backward ride along: portable float32 against the
+    reference with the same seed, and two deterministic backwards bit for bit."""
+    shape, causal, cpp, twin, _, _ = make_case("prefix-lm", rng, np.float32)
+    q, k, v, do = _inputs(rng, shape, np.float32)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    cppd = _dev(cpp)
+    seed = 1234
+    o, lse = cupyflash.attention_forward(qd, kd, vd, causal, kernel="portable", dropout_p=0.1, dropout_seed=seed,
+                                         **cppd)  # fmt: skip
+    g = cupyflash.attention_backward(dod, qd, kd, vd, o, lse, causal, kernel="portable", dropout_p=0.1,
+                                     dropout_seed=seed, **cppd)  # fmt: skip
+    o_ref, lse_ref = reference.attention_forward(q, k, v, causal, dropout_p=0.1, dropout_seed=seed, **twin)
+    g_ref = reference.attention_backward(do, q, k, v, o_ref, lse_ref, causal, dropout_p=0.1, dropout_seed=seed,
+                                         **twin)  # fmt: skip
+    assert_float32_close("o", cupy.asnumpy(o), o_ref, 1e-5)
+    for name, x, r in zip(("dq", "dk", "dv"), g, g_ref):
+        assert_float32_close(name, cupy.asnumpy(x), r, 1e-4)
+    d1 = cupyflash.attention_backward(dod, qd, kd, vd, o, lse, causal, kernel="portable", dropout_p=0.1,
+                                      dropout_seed=seed, deterministic=True, **cppd)  # fmt: skip
+    d2 = cupyflash.attention_backward(dod, qd, kd, vd, o, lse, causal, kernel="portable", dropout_p=0.1,
+                                      dropout_seed=seed, deterministic=True, **cppd)  # fmt: skip
+    for a, b in zip(d1, d2):
+        assert cupy.array_equal(a, b)
