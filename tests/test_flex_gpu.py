@@ -14,7 +14,7 @@ snippet sets:
 
 - doc-t5: a packed batch of documents (aux int32 (B, N) document ids), causal, a T5-style bucketed relative bias
   from an aux (Hq, 32) table (a function body), GQA, sinks, with a block mask (and without: equal results);
-- prefix-lm: keys before a per-batch prefix length (aux int32 (B,)) or causal, Nq != Nk, with a block mask;
+- prefix-lm: keys before a per-batch prefix length (aux int32 (B,)) or causal, Nq != Nk, with its block mask;
 - softcap-alibi: softcap and ALiBi written as a score_mod (slopes from aux, the cap an aux scalar) against the
   built-in softcap + ALiBi kernels of the same family (within rounding) and against the reference;
 - with dropout and the deterministic backward (portable float32, prefix-lm).
@@ -224,16 +224,20 @@ def test_snippets(kernel, dtype_name, case, rng):
     q, k, v, do = _inputs(rng, shape, dtype)
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     cppd = _dev(cpp)
-    got = run_family(kernel, qd, kd, vd, dod, causal, cppd)
-    check_against_reference(dtype_name, q, k, v, do, causal, twin, got)
-    if bm_dims is not None:  # the block mask (built on the GPU from the C++ snippet) changes no result
+    bm = None
+    if bm_dims is not None:  # the block mask, built on the GPU from the C++ snippet, equals the twin's
         bm = cupyflash.create_block_mask(cpp["mask_mod"], bm_dims[0], bm_dims[1], shape[3], shape[4],
                                          aux=cppd.get("aux"), block_size=64)  # fmt: skip
         twin_bm = cupyflash.create_block_mask(twin["mask_mod"], bm_dims[0], bm_dims[1], shape[3], shape[4],
                                               block_size=64)  # fmt: skip
         np.testing.assert_array_equal(cupy.asnumpy(bm.states), twin_bm.states)
         np.testing.assert_array_equal(cupy.asnumpy(bm.kv_range), twin_bm.kv_range)
+        np.testing.assert_array_equal(cupy.asnumpy(bm.q_range), twin_bm.q_range)
         assert bm.sparsity() > 0
+    # prefix-lm runs with its block mask only; doc-t5 without and with (equal results); softcap-alibi has none
+    got = run_family(kernel, qd, kd, vd, dod, causal, cppd, block_mask=bm if case == "prefix-lm" else None)
+    check_against_reference(dtype_name, q, k, v, do, causal, twin, got)
+    if case == "doc-t5":
         with_bm = run_family(kernel, qd, kd, vd, dod, causal, cppd, block_mask=bm)
         # skipped tiles are fully masked: o and lse within rounding (the online softmax adds nothing for them)
         np.testing.assert_allclose(with_bm[0].astype(np.float64), got[0].astype(np.float64), rtol=0, atol=1e-5)
