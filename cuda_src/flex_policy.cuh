@@ -35,10 +35,14 @@ template <> __device__ __forceinline__ float aux_value<__nv_bfloat16>(__nv_bfloa
 // indices. An index outside [0, extent) reads 0 (never memory outside the array, whatever the snippet computes).
 // Extents and strides stay in the kernel's constant bank (read where used, no registers held).
 template <class T, int N>
-struct AuxArray {
-  const AttentionParams* P;
+class AuxArray {
+  const AttentionParams* P;  // private: a snippet reads values through operator() only
   int slot;
   const T* data;
+
+ public:
+  __device__ AuxArray(const AttentionParams* p, int slot_, const void* data_)
+      : P(p), slot(slot_), data(static_cast<const T*>(data_)) {}
   template <class... I>
   __device__ __forceinline__ typename AuxValue<T>::type operator()(I... idx) const {
     static_assert(sizeof...(I) == N, "an aux array takes one index per dimension");

@@ -69,6 +69,10 @@ _CPP_WORDS = frozenset(
     "xor".split()
 )
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: Words a snippet may not use: inline assembly, declarations outside its function, casts that would let it write
+#: through the read-only arrays, and the generated code's own names (cf_*).
+_FORBIDDEN = re.compile(r"\b(asm|__asm__|__asm|extern|__global__|namespace|template|goto|const_cast|reinterpret_cast|"
+                        r"cf_\w*)\b")
 
 
 class SnippetError(ValueError):
@@ -125,9 +129,9 @@ def check_text(kind: str, text: Any) -> str:
                      ("\\", "backslashes"), ("`", "backquotes")):  # fmt: skip
         if bad in text:
             raise SnippetError(_show(kind, text, f"{why} are not allowed in a snippet ({bad!r})"))
-    if re.search(r"\b(asm|__asm__|__asm|extern|__global__|namespace|template|goto)\b", text):
-        word = re.search(r"\b(asm|__asm__|__asm|extern|__global__|namespace|template|goto)\b", text).group(1)
-        raise SnippetError(_show(kind, text, f"{word!r} is not allowed in a snippet"))
+    word = _FORBIDDEN.search(text)
+    if word:
+        raise SnippetError(_show(kind, text, f"{word.group(1)!r} is not allowed in a snippet"))
     depth = {"(": 0, "[": 0, "{": 0}
     close = {")": "(", "]": "[", "}": "{"}
     for c in text:
@@ -258,8 +262,7 @@ def generate(spec: FlexSpec) -> str:
         out.append("    (void)Nq; (void)Nk; (void)b; (void)h; (void)q_idx; (void)kv_idx;")
         for i, slot in enumerate(spec.aux):
             if slot.ndim:
-                out.append(f"    const AuxArray<{slot.ctype}, {slot.ndim}> {slot.name}{{&cf_p, {i}, "
-                           f"static_cast<const {slot.ctype}*>(cf_p.aux{i})}};")  # fmt: skip
+                out.append(f"    const AuxArray<{slot.ctype}, {slot.ndim}> {slot.name}(&cf_p, {i}, cf_p.aux{i});")
             else:
                 out.append(f"    const {slot.ctype} {slot.name} = static_cast<{slot.ctype}>(cf_p.aux_x[{i}]);")
             out.append(f"    (void){slot.name};")

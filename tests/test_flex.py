@@ -33,6 +33,8 @@ def _qkv(rng, b=2, hq=4, hk=2, nq=37, nk=45, d=16):
 @pytest.mark.parametrize("text, words", [
     ("q_idx >= kv_idx # x", "preprocessor"),
     ("asm(0) || true", "'asm'"),
+    ("const_cast<int*>(&q_idx)[0] == 0", "'const_cast'"),
+    ("cf_p.nq > 0", "'cf_p'"),
     ("(q_idx >= kv_idx", "unbalanced"),
     ("q_idx >= kv_idx)", "unbalanced"),
     ("q_idx >= kv_idx; true", "expression has no ';'"),
@@ -105,7 +107,7 @@ def test_generated_source_layout():
     for kind in flex.SNIPPETS:
         assert f'#line 1 "{kind}"' in text
     assert "const float alpha = static_cast<float>(cf_p.aux_x[0]);" in text
-    assert "const AuxArray<float, 2> tab{&cf_p, 1, static_cast<const float*>(cf_p.aux1)};" in text
+    assert "const AuxArray<float, 2> tab(&cf_p, 1, cf_p.aux1);" in text
     assert flex.source_of(spec, "mma_forward.cu").endswith('#include "mma_forward.cu"\n')
     # every #line that returns to the generated file names the line that follows it
     lines = text.splitlines()
