@@ -10,6 +10,10 @@ A call may pass CUDA C++ snippets:
   before ``score_mod`` is not available there: write the derivative in terms of ``new_score`` (softcap:
   ``1 - (new_score / c) * (new_score / c)``; anything additive: ``1``).
 
+Refused before compiling (``SnippetError``): ``#``, ``asm``, string or character literals, backslashes,
+``const_cast``/``reinterpret_cast``, names starting with ``cf_`` (the generated code's), unbalanced brackets, and
+``;``/braces in an expression (a body needs ``return``).
+
 Names a snippet may use: the arguments above (``b`` is the batch index with the leading dims flattened
 row-major, ``h`` the query head; ints; ``score``/``new_score`` float, natural units), ``Nq`` and ``Nk`` (ints),
 and each ``aux`` entry by its name: a Python bool/int/float becomes a ``const bool``/``int``/``float`` (a
@@ -210,6 +214,19 @@ def aux_values(aux: dict[str, Any] | None) -> tuple:
     return tuple(out)
 
 
+def aux_params(values: tuple) -> dict[str, Any]:
+    """The ``AttentionParams.aux_*`` fields of ``aux_values``: per slot an array's extents and element strides or a
+    scalar's value."""
+    s = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int64)
+    n = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int32)
+    x = np.zeros((MAX_AUX,), np.float64)
+    for i, (shape, strides, value) in enumerate(values):
+        n[i, : len(shape)] = shape
+        s[i, : len(strides)] = strides
+        x[i] = value
+    return {"aux_s": s, "aux_n": n, "aux_x": x}
+
+
 def aux_arrays(aux: dict[str, Any] | None) -> dict[str, Any]:
     """The aux arrays by params pointer field (``aux0`` .. ``aux7``, the slot of each entry)."""
     return {f"aux{i}": v for i, v in enumerate((aux or {}).values()) if hasattr(v, "data") and hasattr(v, "strides")
@@ -367,19 +384,24 @@ def retarget(plan: Any, spec: FlexSpec) -> Any:
 # ---------------------------------------------------------------------------- the reference's twins
 
 
-def twin_scores(twins: FlexTwins, xp: Any, S: Any, visible: Any, batch: tuple[int, ...], hk: int, group: int,
-                rows: Any, cols: Any) -> tuple[Any, Any]:  # fmt: skip
-    """The reference's S (..., Hk, G, rows, cols) after score_mod and ``visible`` ANDed with mask_mod, the
-    twins called on broadcast index arrays (b flattened over the batch dims, h the query head)."""
+def _twin_indices(xp: Any, batch: tuple[int, ...], hk: int, group: int, rows: Any, cols: Any) -> tuple:
+    """(b, h, q_idx, kv_idx) as index arrays broadcasting like the reference's (..., Hk, G, rows, cols) scores: b the
+    flattened batch index, h the query head."""
     nb = int(np.prod(batch)) if batch else 1
     b = xp.arange(nb).reshape(*batch, 1, 1, 1, 1) if batch else xp.zeros((1, 1, 1, 1), dtype=np.int64)
     h = xp.arange(hk * group).reshape(hk, group, 1, 1)
-    q = xp.asarray(rows).reshape(-1, 1)
-    k = xp.asarray(cols).reshape(1, -1)
+    return b, h, xp.asarray(rows).reshape(-1, 1), xp.asarray(cols).reshape(1, -1)
+
+
+def twin_scores(twins: FlexTwins, xp: Any, S: Any, visible: Any, batch: tuple[int, ...], hk: int, group: int,
+                rows: Any, cols: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The reference's S (..., Hk, G, rows, cols) after score_mod and ``visible`` ANDed with mask_mod, the
+    twins called on broadcast index arrays."""
+    idx = _twin_indices(xp, batch, hk, group, rows, cols)
     if twins.score_mod is not None:
-        S = xp.broadcast_to(xp.asarray(twins.score_mod(S, b, h, q, k), dtype=np.float64), S.shape)
+        S = xp.broadcast_to(xp.asarray(twins.score_mod(S, *idx), dtype=np.float64), S.shape)
     if twins.mask_mod is not None:
-        visible = visible & xp.asarray(twins.mask_mod(b, h, q, k), dtype=bool)
+        visible = visible & xp.asarray(twins.mask_mod(*idx), dtype=bool)
     return S, visible
 
 
@@ -388,10 +410,6 @@ def twin_dscore(twins: FlexTwins, xp: Any, new_score: Any, batch: tuple[int, ...
     """d(new score)/d(score) from score_mod_grad's twin (1 without score_mod)."""
     if twins.score_mod is None:
         return 1.0
-    nb = int(np.prod(batch)) if batch else 1
-    b = xp.arange(nb).reshape(*batch, 1, 1, 1, 1) if batch else xp.zeros((1, 1, 1, 1), dtype=np.int64)
-    h = xp.arange(hk * group).reshape(hk, group, 1, 1)
-    q = xp.asarray(rows).reshape(-1, 1)
-    k = xp.asarray(cols).reshape(1, -1)
+    idx = _twin_indices(xp, batch, hk, group, rows, cols)
     safe = xp.where(xp.isfinite(new_score), new_score, 0.0)  # masked pairs: P = 0 there, any finite factor will do
-    return xp.broadcast_to(xp.asarray(twins.score_mod_grad(safe, b, h, q, k), dtype=np.float64), new_score.shape)
+    return xp.broadcast_to(xp.asarray(twins.score_mod_grad(safe, *idx), dtype=np.float64), new_score.shape)

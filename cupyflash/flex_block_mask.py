@@ -186,10 +186,9 @@ def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: in
 
 
 def _aux_params(aux: Any) -> dict[str, Any]:
-    from .flex import aux_values
-    from .variants import Variant
+    from .flex import aux_params, aux_values
 
-    return Variant(flex_aux=aux_values(aux))._aux_params()
+    return aux_params(aux_values(aux))
 
 
 def check_block_mask(block_mask: Any, full: tuple[int, ...], xp: str) -> None:

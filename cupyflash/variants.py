@@ -113,16 +113,9 @@ class Variant:
         """The aux slots' strides, extents and scalar values (``AttentionParams.aux_*``), when there are any."""
         if not self.flex_aux:
             return {}
-        from .flex import MAX_AUX, MAX_AUX_DIMS
+        from .flex import aux_params
 
-        s = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int64)
-        n = np.zeros((MAX_AUX, MAX_AUX_DIMS), np.int32)
-        x = np.zeros((MAX_AUX,), np.float64)
-        for i, (shape, strides, value) in enumerate(self.flex_aux):
-            n[i, : len(shape)] = shape
-            s[i, : len(strides)] = strides
-            x[i] = value
-        return {"aux_s": s, "aux_n": n, "aux_x": x}
+        return aux_params(self.flex_aux)
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:
         """(left, right) with an unbounded side clamped to nq + nk (past every key)."""

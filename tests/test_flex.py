@@ -156,7 +156,7 @@ def test_unknown_names_are_compile_errors(kind, text, words):
 def test_launches_compile_from_the_generated_source(monkeypatch):
     """The user-policy launches of every family are retargeted onto the snippets' source; the others keep theirs,
     and the aux strides, extents and scalars are in the params."""
-    from test_launch_abi import _empty, planned  # noqa: F401 - the fixture, used below through request
+    from test_launch_abi import _empty
 
     import types
 

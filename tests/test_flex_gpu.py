@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import DTYPES, HAS_GPU, requires_gpu
-from test_variants_gpu import HOPPER, assert_fa_criterion, assert_float32_close, fa_floor  # noqa: F401
+from test_variants_gpu import HOPPER, assert_fa_criterion, assert_float32_close
 
 import cupyflash
 from cupyflash import flex, reference
