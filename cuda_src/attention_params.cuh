@@ -57,6 +57,13 @@ struct AttentionParams {
   // Deterministic backward (dq_turns.cuh): one int counter per (batch, query head, query tile), zeroed;
   // nullptr: dQ adds in whatever order the blocks run.
   int* dq_turns;
+  // User snippets' aux arrays (issue 17 part 3, flex_policy.cuh): slot i's data, null for a scalar or an
+  // unused slot (separate members rather than an array so that the layout test can name each one).
+  const void *aux0, *aux1, *aux2, *aux3, *aux4, *aux5, *aux6, *aux7;
+  // Block masks (create_block_mask, flex_policy.cuh's BlockMasked): per (b, h, query block) the [first, last)
+  // key blocks that are not empty, and per (b, h, key block) the [first, last) query blocks; int pairs.
+  const int* bm_kv;
+  const int* bm_q;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 
@@ -88,6 +95,14 @@ struct AttentionParams {
   int dropout_b0;                  // batch index of this launch's first batch (leading dims flattened)
   // Softcap's backward: 1 / softcap_log2, so that tanh is recovered from P with a multiply, not a division.
   float softcap_inv_log2;
+  // User snippets (issue 17 part 3, flex_policy.cuh): per aux slot, an array's element strides and extents
+  // (up to 4 dims) or a scalar's value; run-time values, so new shapes or values do not recompile.
+  long long aux_s[8][4];
+  int aux_n[8][4];
+  double aux_x[8];
+  // Block masks: the block size, the query and key block counts, and the batch and head extents of the tables
+  // (1: one table for every batch / head).
+  int bm_size, bm_nqb, bm_nkb, bm_bb, bm_hb;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

@@ -14,6 +14,9 @@ from .varlen_api import (
     attention_varlen_vjp,
 )
 from .dropout import dropout_mask, effective_dropout_p
+from .dropout import dropout_mask
+from .flex import SnippetError
+from .flex_block_mask import BlockMask, create_block_mask
 from .linear_api import (
     linear_attention,
     linear_attention_backward,
@@ -34,6 +37,9 @@ __all__ = [
     "attention_varlen_vjp",
     "dropout_mask",
     "effective_dropout_p",
+    "create_block_mask",
+    "BlockMask",
+    "SnippetError",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",

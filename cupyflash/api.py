@@ -39,6 +39,7 @@ def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
     mask: Any = None, bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
     kernel: Kernel = "auto",
 ) -> tuple[Any, Any]:  # fmt: skip
     """Softmax attention ``o = softmax(scale * q @ k^T) @ v`` and ``lse``, each row's log-sum-exp.
@@ -73,6 +74,20 @@ def attention_forward(
         dropout_seed: an int in [0, 2**64), required when ``dropout_p > 0``: the keep mask is Philox4x32-10
             keyed by (seed, batch, head, i, j) (``cupyflash.dropout_mask`` returns it), so the backward given
             the same seed regenerates it. ``attention`` and ``attention_vjp`` draw one when none is given.
+        mask_mod: a CUDA C++ expression of ``(b, h, q_idx, kv_idx)``, true where the query may attend the key
+            (or a small function body with ``return``), compiled into the kernels on first use and ANDed with
+            causal/window (FlexAttention's mask_mod). ``b`` is the batch index (leading dims flattened), ``h`` the
+            query head. With NumPy arrays, a Python callable on broadcast index arrays instead.
+        score_mod: a CUDA C++ expression (or body) of ``(score, b, h, q_idx, kv_idx)``: the new score (natural
+            units), applied after softcap and ALiBi and before the masks. NumPy arrays: a Python callable.
+        score_mod_grad: d(new score)/d(score), an expression of ``(new_score, b, h, q_idx, kv_idx)``; needed by the
+            backward when score_mod is given. NumPy arrays: a Python callable.
+        aux: ``{"name": array or Python scalar}`` that snippets read by name: a scalar as a ``bool``/``int``/
+            ``float`` constant (a run-time value), an array of 1-4 dims as ``name(i, j, ...)`` (float for float
+            dtypes; an index outside the array reads 0). Snippets may also read ``Nq`` and ``Nk``. See
+            ``cupyflash.flex`` for every name and the errors (``SnippetError``).
+        block_mask: ``cupyflash.create_block_mask(mask_mod, ...)``'s result for this mask_mod and shape: key tiles
+            it marks empty are skipped.
         kernel: ``"auto"`` (the fastest family that can run the call), or ``"wgmma"`` (Hopper, fp16/bf16,
             32 < D <= 128), ``"mma"`` (sm_80+, fp16/bf16), ``"portable"`` (any dtype and GPU); a family
             that cannot run the call raises ``TypeError`` with its reason.
@@ -86,7 +101,8 @@ def attention_forward(
     _check_kernel(kernel)
     _, seed = check_dropout(dropout_p, dropout_seed)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-               "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
+               "mask": mask, "bias": bias, "dropout_p": dropout_p, "mask_mod": mask_mod, "score_mod": score_mod,
+               "score_mod_grad": score_mod_grad, "aux": aux, "block_mask": block_mask}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
@@ -143,6 +159,11 @@ def attention_backward(
     bias_grad: bool = False,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
+    aux: Any = None,
+    block_mask: Any = None,
     kernel: Kernel = "auto",
     deterministic: bool = False,
 ) -> tuple[Any, ...]:
@@ -167,7 +188,8 @@ def attention_backward(
     check_flag("deterministic", deterministic)
     _, seed = check_dropout(dropout_p, dropout_seed)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-               "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
+               "mask": mask, "bias": bias, "dropout_p": dropout_p, "mask_mod": mask_mod, "score_mod": score_mod,
+               "score_mod_grad": score_mod_grad, "aux": aux, "block_mask": block_mask}  # fmt: skip
     if _is_cupy(q):
         from . import cuda_backend
 
@@ -192,6 +214,8 @@ def attention_vjp(
     ``dropout_seed`` a seed is drawn (``draw_seed``) and the backward uses the same one."""
     if keywords.get("bias_grad") and keywords.get("bias") is None:  # say so before the forward runs
         raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
+    if keywords.get("score_mod") is not None and keywords.get("score_mod_grad") is None:
+        raise ValueError("attention_vjp with score_mod needs score_mod_grad (the backward's d(new score)/d(score))")
     deterministic = check_flag("deterministic", keywords.pop("deterministic", False))
     keywords = _with_seed(q, keywords)
     forward_keywords = {n: x for n, x in keywords.items() if n != "bias_grad"}

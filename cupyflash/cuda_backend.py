@@ -124,9 +124,31 @@ def _prepare(
     g = _geometry(p, layout)
     family = dispatch.select(p, limits, kernel, g.aligned)  # raises before anything is allocated
     empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
-    plan = None if empty else make_plan(family, p, g, limits)
+    plan = None if empty else _flex_plan(p, make_plan(family, p, g, limits))
     layout = _output_layout([spec for n, spec in outputs.items() if n != "dbias"])  # dbias: zeroed, apart
     return _Prepared(p, family, g, plan, copy, layout)
+
+
+def _flex_check(p: AttentionProblem) -> None:
+    """User snippets (issue 17 part 3) must be C++ text here, and compile (SnippetError before any launch)."""
+    spec = p.variant.flex
+    if spec is None:
+        return
+    from .flex import FlexSpec, check
+
+    if not isinstance(spec, FlexSpec):
+        raise TypeError("with CuPy arrays mask_mod/score_mod/score_mod_grad are CUDA C++ snippets (str); Python "
+                        "callables are the NumPy reference's twins")  # fmt: skip
+    check(spec)
+
+
+def _flex_plan(p: AttentionProblem, plan: CallPlan) -> CallPlan:
+    """A plan whose user-policy launches compile from the snippets' generated source."""
+    if p.variant.flex is None:
+        return plan
+    from .flex import retarget
+
+    return retarget(plan, p.variant.flex)
 
 
 def _inputs(prep: _Prepared, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +171,8 @@ def _key_of(x: Any) -> Any:
         return (list, tuple(_key_of(e) for e in x))
     if isinstance(x, tuple):
         return (tuple, tuple(_key_of(e) for e in x))
+    if isinstance(x, dict):  # aux: names in order, arrays by signature, scalars by type and value
+        return (dict, tuple((n, _key_of(e)) for n, e in x.items()))
     return (type(x), x)
 
 
@@ -178,8 +202,22 @@ def _score_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: in
     return full, bstrides, itemsize, ptr_mod
 
 
-def _variant_arrays(alibi_slopes: Any, sinks: Any, mask: Any = None, bias: Any = None) -> dict[str, Any]:
+def _flex_key(mask_mod: Any, score_mod: Any, score_mod_grad: Any, aux: Any, block_mask: Any) -> tuple:
+    """The user snippets' part of a call's signature (empty without them, so plain keys stay as they were)."""
+    if mask_mod is None and score_mod is None and score_mod_grad is None and aux is None and block_mask is None:
+        return ()
+    return (_key_of(mask_mod), _key_of(score_mod), _key_of(score_mod_grad), _key_of(aux), _key_of(block_mask))
+
+
+def _variant_arrays(alibi_slopes: Any, sinks: Any, mask: Any = None, bias: Any = None, aux: Any = None,
+                    block_mask: Any = None) -> dict[str, Any]:  # fmt: skip
     out = {}
+    if aux:
+        from .flex import aux_arrays
+
+        out.update(aux_arrays(aux))
+    if block_mask is not None:
+        out.update(block_mask.pointers())
     if mask is not None:
         out["mask"] = mask
     if bias is not None:
@@ -201,19 +239,24 @@ def _head_layout(x: Any, nbatch: int) -> tuple:
 
 def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window_size: Any = None,
             softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-            bias: Any = None, dropout_p: Any = 0.0, dropout_seed: int | None = None) -> tuple[Any, Any]:  # fmt: skip
+            bias: Any = None, dropout_p: Any = 0.0, dropout_seed: int | None = None, mask_mod: Any = None,
+            score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None,
+            block_mask: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """``dropout_seed`` is checked by the caller and not part of the signature: it is written per call."""
     import cupy
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(dropout_p), cupy.cuda.runtime.getDevice(),
-           _array_key(q), _array_key(k), _array_key(v))  # fmt: skip
-    extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
+           _array_key(q), _array_key(k), _array_key(v), *_flex_key(mask_mod, score_mod, score_mod_grad, aux,
+                                                                    block_mask))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks, mask, bias, aux, block_mask)
     prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
-                            dropout_p=dropout_p)  # fmt: skip
+                            dropout_p=dropout_p, mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad,
+                            aux=aux, block_mask=block_mask)  # fmt: skip
+        _flex_check(p)
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
                         extra)  # fmt: skip
@@ -250,9 +293,13 @@ def _seed_of(p: AttentionProblem, seed: int | None) -> int | None:
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
              window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
              mask: Any = None, bias: Any = None, bias_grad: Any = False, dropout_p: Any = 0.0,
-             dropout_seed: int | None = None, deterministic: bool = False):  # fmt: skip
+             dropout_seed: int | None = None, deterministic: bool = False, mask_mod: Any = None,
+             score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None):  # fmt: skip
     import cupy
 
+    if deterministic and block_mask is not None:  # ordered dQ turns assume every mask's key tiles form one run
+        raise NotImplementedError("deterministic=True with block_mask is not supported yet: the ordered dQ turns "
+                                  "assume the key tiles that visit a query tile form one run (built-in masks)")
     if deterministic and bias_grad:  # dbias is summed by float atomics (ArrayScore.add_dbias)
         raise NotImplementedError("deterministic=True with bias_grad=True is not supported yet: dbias is accumulated "
                                   "with float atomics, whose order varies from run to run")  # fmt: skip
@@ -260,13 +307,15 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), _key_of(dropout_p),
            cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),
-           bool(deterministic))  # fmt: skip
-    extra = _variant_arrays(alibi_slopes, sinks, mask, bias)
+           bool(deterministic), *_flex_key(mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
+    extra = _variant_arrays(alibi_slopes, sinks, mask, bias, aux, block_mask)
     prep = _backward_cache.get(key)
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
-                           bias_grad=bias_grad, dropout_p=dropout_p)  # fmt: skip
+                           bias_grad=bias_grad, dropout_p=dropout_p, mask_mod=mask_mod, score_mod=score_mod,
+                           score_mod_grad=score_mod_grad, aux=aux, block_mask=block_mask)  # fmt: skip
+        _flex_check(p)
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
         if bias_grad:  # the f32 accumulator, contiguous in the bias's own shape (broadcast dims: stride 0)
             outputs["dbias"] = (bias.shape, _FLOAT32)
@@ -335,9 +384,11 @@ def _run_into(family: Any, plan_of: str, arrays: dict[str, Any], p: AttentionPro
     g = _geometry(p, layout)
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
+    _flex_check(p)
     seed = options.pop("dropout_seed", None)
     ptrs = {n: x.data.ptr for n, x in {**arrays, **extra}.items()}
-    run(getattr(family, plan_of)(p, g, DeviceLimits.current(), **options), g, ptrs, _seed_of(p, seed))
+    plan = _flex_plan(p, getattr(family, plan_of)(p, g, DeviceLimits.current(), **options))
+    run(plan, g, ptrs, _seed_of(p, seed))
 
 
 def backward_into(

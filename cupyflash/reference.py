@@ -25,7 +25,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import dropout as _dropout
-from .validation import AttentionProblem, array_kind, check_attention, check_backward, check_dropout, score_shape
+from .validation import (AttentionProblem, array_kind, check_attention, check_backward, check_dropout,
+                         check_flex_backward, score_shape)
 
 NEG_INF = -np.inf
 
@@ -113,8 +114,23 @@ def _scores(xp: Any, Q: Any, K: Any, p: AttentionProblem, rows: Any, cols: Any, 
             S = S + bias[tile].astype(np.float64)
         if mask is not None:
             visible = visible & mask[tile]
+    twins = _twins(p)
+    if twins is not None:  # score_mod after ALiBi, mask_mod ANDed with the masks
+        from .flex import twin_scores
+
+        S, visible = twin_scores(twins, xp, S, visible, p.batch, p.hk, p.group, rows, cols)
     S = xp.where(visible, S, NEG_INF)
     return S, raw
+
+
+def _twin_dscore(xp: Any, p: AttentionProblem, S: Any, rows: Any, cols: Any) -> Any:
+    """d(new score)/d(score) of score_mod from its twin score_mod_grad, given S after score_mod (1 without)."""
+    twins = _twins(p)
+    if twins is None:
+        return 1.0
+    from .flex import twin_dscore
+
+    return twin_dscore(twins, xp, S, p.batch, p.hk, p.group, rows, cols)
 
 
 def _dbias(dS: Any, bias: Any, p: AttentionProblem) -> Any:
@@ -127,9 +143,23 @@ def _dbias(dS: Any, bias: Any, p: AttentionProblem) -> Any:
 
 
 def _variant_kwargs(window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
-                    bias: Any = None, dropout_p: Any = 0.0) -> dict[str, Any]:  # fmt: skip
-    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
-            "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
+                    bias: Any = None, dropout_p: Any = 0.0, *flex: Any) -> dict[str, Any]:  # fmt: skip
+    """The variant keywords for the checks; ``flex``: (mask_mod, score_mod, score_mod_grad, aux, block_mask)."""
+    out = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+           "mask": mask, "bias": bias, "dropout_p": dropout_p}  # fmt: skip
+    out.update(zip(("mask_mod", "score_mod", "score_mod_grad", "aux", "block_mask"), flex))
+    return out
+
+
+def _twins(p: AttentionProblem) -> Any:
+    """The Python twins of user snippets (issue 17 part 3), or None; C++ text cannot run here."""
+    from .flex import FlexTwins
+
+    flex = p.variant.flex
+    if flex is not None and not isinstance(flex, FlexTwins):
+        raise TypeError("the NumPy reference cannot run C++ snippets: pass mask_mod/score_mod/score_mod_grad as Python "
+                        "callables on broadcast index arrays (the snippets' twins; see cupyflash.flex)")  # fmt: skip
+    return flex
 
 
 def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> int | None:
@@ -153,7 +183,8 @@ def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, c
 def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None, mask_mod: Any = None, score_mod: Any = None,
+    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
 
@@ -162,8 +193,8 @@ def attention_forward(
     (1 - p_eff)) v with ``cupyflash.dropout_mask``'s keep mask and p_eff = ``cupyflash.effective_dropout_p(p)``;
     lse is the undropped one."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias,
-                                          dropout_p))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p,
+                                          mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
     seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -216,7 +247,7 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
         dP = dP * Z
     Delta = (dO * O).sum(axis=-1, keepdims=True)  # = rowsum(P * dP) (+ the sink's share) when o is exact
     dS_score = P * (dP - Delta)  # d loss / d score: the bias's gradient before any reduction
-    dS = dS_score * p.variant.dscore(xp, raw)
+    dS = dS_score * p.variant.dscore(xp, raw) * _twin_dscore(xp, p, S, xp.arange(p.nq), xp.arange(p.nk))
     dQ = p.scale * (dS @ K)
     dK = p.scale * (_t(dS) @ Q)
     grads = (dQ.reshape(q.shape), _kv_heads(dK, p), _kv_heads(dV, p))
@@ -229,6 +260,7 @@ def attention_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, then dsinks (float64,
     (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks), then dbias (float64,
@@ -239,7 +271,8 @@ def attention_backward(
     shapes: under GQA each sums over its group's query heads.
     """
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p, mask_mod,
+                                         score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
     return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, mask, bias, bool(bias_grad),
                      _dropout_seed(dropout_p, dropout_seed))  # fmt: skip
 
@@ -263,6 +296,7 @@ def attention_vjp(
             raise ValueError(f"do must have q's shape {q.shape}; got {do.shape}")
         if np.dtype(do.dtype) not in (p.dtype, np.dtype(np.float64)):
             raise TypeError(f"do.dtype must equal q.dtype ({p.dtype}) or be float64; got {do.dtype}")
+        check_flex_backward(p)
         return _backward(do, q, k, v, o, lse, p, variant.get("alibi_slopes"), variant.get("sinks"),
                          variant.get("mask"), variant.get("bias"), bool(bias_grad), seed)  # fmt: skip
 
@@ -287,7 +321,8 @@ def _tile_skipped(p: AttentionProblem, i0: int, i1: int, j0: int, j1: int) -> bo
 def tiled_attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
-    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None, mask_mod: Any = None, score_mod: Any = None,
+    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
@@ -297,8 +332,8 @@ def tiled_attention_forward(
     """
     _check_blocks(block_q, block_k)
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
-                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias,
-                                          dropout_p))  # fmt: skip
+                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p,
+                                          mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
     seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, K, V = _grouped(q, p, p.hq, p.group), _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -340,13 +375,15 @@ def tiled_attention_backward(
     block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
+    mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
     accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ (and, with ``bias_grad``,
     each tile's dS into dbias, summed over the bias's broadcast dims as the kernels' atomics do)."""
     _check_blocks(block_q, block_k)
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, allow_float64=True, bias_grad=bias_grad,
-                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p))  # fmt: skip
+                       **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p, mask_mod,
+                                         score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
     seed = _dropout_seed(dropout_p, dropout_seed)
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
@@ -379,7 +416,7 @@ def tiled_attention_backward(
             dS_ij = P_ij * (dP_ij - Delta[..., i0:i1, :])
             if dbias is not None:
                 _add_tile_dbias(xp, dbias, dS_ij, p, i0, i1, j0, j1)
-            dS_ij = dS_ij * p.variant.dscore(xp, raw)
+            dS_ij = dS_ij * p.variant.dscore(xp, raw) * _twin_dscore(xp, p, S_ij, xp.arange(i0, i1), xp.arange(j0, j1))
             dQ[..., i0:i1, :] += p.scale * (dS_ij @ K_j)
             dK_j += p.scale * (_t(dS_ij) @ Q_i).sum(axis=-3, keepdims=True)
         dK[..., j0:j1, :] = dK_j
@@ -425,3 +462,5 @@ from .varlen_reference import (  # noqa: E402, F401
     tiled_attention_varlen_backward,
     tiled_attention_varlen_forward,
 )
+# Block masks from a mask_mod's Python twin (the same function: a callable runs in NumPy).
+from .flex_block_mask import create_block_mask  # noqa: E402, F401

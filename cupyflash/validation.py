@@ -193,6 +193,11 @@ def check_attention(
     mask: Any = None,
     bias: Any = None,
     dropout_p: Any = 0.0,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    score_mod_grad: Any = None,
+    aux: Any = None,
+    block_mask: Any = None,
     allow_float64: bool = False,
 ) -> AttentionProblem:
     """Check q (..., Hq, Nq, D), k and v (..., Hk, Nk, D) and the variant keywords; describe the problem.
@@ -234,7 +239,37 @@ def check_attention(
     dropout, _ = check_dropout(dropout_p, None, need_seed=False)
     variant = Variant.of(bool(causal), window, cap, alibi_slopes is not None, sinks is not None, mask is not None,
                          bias_type, dropout)  # fmt: skip
+    flex = _check_flex(mask_mod, score_mod, score_mod_grad, aux, block_mask, xp, full, mask, bias)
+    if flex is not None:
+        from dataclasses import replace
+
+        from .flex import aux_values
+
+        variant = replace(variant, flex=flex, flex_aux=aux_values(aux),
+                          block_mask=tuple(block_mask.params().items()) if block_mask is not None else ())
     return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, variant, float(scale), xp)
+
+
+def _check_flex(mask_mod: Any, score_mod: Any, score_mod_grad: Any, aux: Any, block_mask: Any, xp: str,
+                full: tuple[int, ...], mask: Any, bias: Any) -> Any:  # fmt: skip
+    """User snippets (issue 17 part 3): their text or Python twins, aux, and a block mask for this shape."""
+    from .flex import spec_of
+
+    flex = spec_of(mask_mod, score_mod, score_mod_grad, aux, xp)
+    if flex is not None and (mask is not None or bias is not None):
+        raise ValueError("mask_mod/score_mod do not combine with mask=/bias= arrays: pass the array in aux and read it "
+                         "in the snippet (e.g. score + bias(q_idx, kv_idx))")  # fmt: skip
+    if block_mask is not None:
+        from .flex_block_mask import check_block_mask
+
+        if flex is None or flex.mask_mod is None:
+            raise ValueError("block_mask needs the mask_mod it was made from")
+        check_block_mask(block_mask, full, xp)
+        if block_mask.mask_mod is not flex.mask_mod and block_mask.mask_mod != flex.mask_mod:
+            raise ValueError("block_mask was made from another mask_mod than this call's")
+        if getattr(flex, "aux", block_mask.aux_signature) != block_mask.aux_signature:
+            raise ValueError("block_mask was made with other aux names, dtypes or dims than this call's")
+    return flex
 
 
 def check_backward(
@@ -262,6 +297,7 @@ def check_backward(
     if bias_grad and variant.get("bias") is None:
         raise ValueError("bias_grad=True needs a bias (the gradient is that of the bias argument)")
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=allow_float64, **variant)
+    check_flex_backward(p)
     for name, x in (("do", do), ("o", o)):
         if not (allow_float64 and np.dtype(x.dtype) == np.float64):  # the reference takes exact o, dO
             _check_dtype(name, x, p.dtype)
@@ -273,6 +309,20 @@ def check_backward(
     if lse.shape != q.shape[:-1]:
         raise ValueError(f"lse must have shape {q.shape[:-1]} (q's shape without D); got {lse.shape}")
     return p
+
+
+def check_flex_backward(p: AttentionProblem) -> None:
+    """A backward through score_mod needs its derivative, and cannot take the built-in softcap under it."""
+    flex = p.variant.flex
+    if flex is None or flex.score_mod is None:
+        return
+    if flex.score_mod_grad is None:
+        raise ValueError("the backward through score_mod needs score_mod_grad, d(new score)/d(score) as an expression "
+                         "of new_score, b, h, q_idx, kv_idx (e.g. '1' for an additive score_mod)")  # fmt: skip
+    if p.variant.softcap > 0:
+        raise NotImplementedError("the backward of softcap= with score_mod is not supported: the kernels recover the "
+                                  "softcap's derivative from the score before score_mod, which they do not keep; "
+                                  "write the softcap inside score_mod")  # fmt: skip
 
 
 def check_flag(name: str, x: Any) -> bool:

@@ -40,6 +40,10 @@ class Variant:
     dropout: the dropout probability p (0: off): after the softmax each P_ij is kept with probability 1 - p_eff
         (``dropout.py``'s mask; p_eff = p rounded to a multiple of 1/256) and scaled by 1 / (1 - p_eff); lse stays
         that of the undropped softmax.
+    flex: user snippets (issue 17 part 3, ``flex.py``): a ``FlexSpec`` (C++: the ``FlexScore`` policy) or
+        ``FlexTwins`` (the reference's Python callables); score_mod after ALiBi, mask_mod ANDed with the masks.
+    flex_aux: per aux slot, (extents, element strides, scalar value): the run-time values of ``aux``.
+    block_mask: a block mask's table sizes (``BlockMask.params`` items; C++: ``BlockMasked`` around the mask), or ().
     """
 
     causal: bool = False
@@ -50,6 +54,9 @@ class Variant:
     mask: bool = False
     bias: str | None = None
     dropout: float = 0.0
+    flex: Any = None
+    flex_aux: tuple = ()
+    block_mask: tuple = ()
 
     @classmethod
     def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
@@ -66,11 +73,16 @@ class Variant:
 
     @property
     def mask_name(self) -> str:
-        return "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+        base = "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+        return f"BlockMasked<cupyflash::{base}>" if self.block_mask else base
 
     @property
     def score_name(self) -> str:
         base = "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
+        if self.flex is not None:  # user snippets ride on the built-in score rule (flex_policy.cuh)
+            from .flex import USER
+
+            return f"FlexScore<cupyflash::{base}, {USER}>"
         if not (self.mask or self.bias):
             return base
         # Mask and bias arrays ride on the built-in score rule (ArrayScore); the bias's type is a template
@@ -96,7 +108,17 @@ class Variant:
             "softcap_inv_log2": 1.0 / (cap * LOG2E) if cap > 0 else 0.0,
             "dropout_threshold": dropout_threshold(self.dropout),
             "dropout_scale": dropout_keep_scale(self.dropout),
+            **self._aux_params(),
+            **dict(self.block_mask),
         }
+
+    def _aux_params(self) -> dict[str, Any]:
+        """The aux slots' strides, extents and scalar values (``AttentionParams.aux_*``), when there are any."""
+        if not self.flex_aux:
+            return {}
+        from .flex import aux_params
+
+        return aux_params(self.flex_aux)
 
     def _bounds(self, nq: int, nk: int) -> tuple[int, int]:
         """(left, right) with an unbounded side clamped to nq + nk (past every key)."""

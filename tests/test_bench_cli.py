@@ -661,8 +661,26 @@ def test_masks_suite_lists_its_rows_without_a_gpu(capsys):
     assert "  bias_grad float32 B=2 H=16 N=8192 D=128 full fwd+bwd: 3848.3 GFLOP; cupyflash" in out
 
 
+def test_flex_suite_lists_its_rows_without_a_gpu(capsys):
+    o = bench.parse_args(["--suite", "flex"], has_torch=True)
+    assert all(s.b == 1 and s.n == 16384 and s.h * s.d == 2048 and s.causal and s.dtype == "bfloat16"
+               for s in o.shapes) and len(o.shapes) == 2  # fmt: skip
+    rows = bench.cli.paired_rows(o)
+    assert [(r.case, r.pass_) for r in rows[:5]] == [("doc8", "fwd"), ("doc8", "fwd+bwd"), ("prefix-lm", "fwd"),
+                                                     ("prefix-lm", "fwd+bwd"), ("first-call", "fwd")]  # fmt: skip
+    assert rows[0].impls == ("cupyflash", "cupyflash-no-block-mask", "cupyflash-dense-causal", "flex-attention")
+    assert rows[4].impls == ("cupyflash",)
+    o = bench.parse_args(["--suite", "flex", "--compare", "none", "--passes", "fwd+bwd"], has_torch=True)
+    assert all("flex-attention" not in r.impls and r.case != "first-call" for r in bench.cli.paired_rows(o))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--suite", "flex", "--kernels", "mma,portable"], has_torch=False)
+    assert bench.main(["--suite", "flex", "--list", "--compare", "none", "--d", "128"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("suite flex") and len(out) == 1 + 5
+
+
 @pytest.mark.skipif(HAS_GPU, reason="checks the message a CPU-only machine gets")
-@pytest.mark.parametrize("suite", ["dropout", "masks"])
+@pytest.mark.parametrize("suite", ["dropout", "masks", "flex"])
 def test_dropout_and_masks_without_gpu_say_so(suite):
     with pytest.raises(SystemExit) as e:
         bench.main(["--suite", suite, "--compare", "none"])

@@ -118,7 +118,43 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for name, source, expr in dropout_representatives():
         for arch in DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
-    return jobs + array_jobs()
+    return jobs + array_jobs() + flex_jobs()
+
+
+def flex_spec():
+    """The representative user snippets (issue 17 part 3): a mask and a score reading aux arrays and a scalar."""
+    from cupyflash import flex
+
+    return flex.FlexSpec(
+        mask_mod="doc(b, q_idx) == doc(b, kv_idx)", score_mod="score + slope * tab(h, min(abs(q_idx - kv_idx), 31))",
+        score_mod_grad="1.f",
+        aux=(flex.AuxSlot("doc", "int", 2), flex.AuxSlot("tab", "float", 2), flex.AuxSlot("slope", "float", 0)))
+
+
+def flex_jobs() -> list[tuple[str, str, str, str]]:
+    """User-snippet policies (issue 17 part 3): per family and kernel, its first bfloat16 configuration (float32 for
+    the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
+    on plain scores, and Window with the snippets on softcap/ALiBi. 8 instantiations (about 60 CPU-seconds of
+    NVRTC), for sm_80 (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
+    from cupyflash import flex
+    from cupyflash.kernels import mma, portable, wgmma
+    from cupyflash.variants import Variant
+
+    spec = flex_spec()
+    policies = (Variant(causal=True, flex=spec, block_mask=(("bm_size", 64),)).cpp_policy,
+                Variant(window=(8, 8), softcap=30.0, flex=spec).cpp_policy)  # fmt: skip
+    plain = Variant().cpp_policy
+    jobs = []
+    for fam in (portable, mma, wgmma):
+        seen = set()
+        for source, expr in fam.instantiations():
+            kind = (source, expr.split("<", 1)[0])
+            if plain not in expr or "__half" in expr or kind in seen:
+                continue
+            seen.add(kind)
+            generated = f"{source}#flex-{spec.key}"
+            jobs.append((fam.NAME, generated, expr.replace(plain, policies[len(jobs) % 2]), ARCHS[fam.NAME][0]))
+    return jobs
 
 
 #: The dropout representatives build for the two architectures the families' register budgets differ most on.
@@ -157,9 +193,14 @@ def _programs(jobs: list[tuple[str, str, str, str]]) -> list[list[tuple[str, str
 
 
 def _compile(program):
-    from cupyflash.kernels.build import CompileError, nvrtc_compile_many
+    from cupyflash.kernels.build import CompileError, base_source, generated_source, nvrtc_compile_many
 
     _, source, _, arch = program[0]
+    if "#flex-" in source:  # a generated source: register it in this (worker) process
+        from cupyflash.flex import source_of
+
+        spec = flex_spec()
+        source = generated_source(base_source(source), spec.key, source_of(spec, base_source(source)))
     try:
         return nvrtc_compile_many(source, [job[2] for job in program], arch)
     except CompileError as e:
@@ -200,7 +241,21 @@ ARRAY_SPILL_ALLOWANCE: dict[str, int] = {
 }
 
 
+#: User-snippet policies (issue 17 part 3, ``flex_jobs``): spill and stack bytes allowed per kernel, the largest
+#: measured with NVRTC 13.5 rounded up. Why: as ArrayScore, per score the snippets' aux loads and index arithmetic
+#: (and the FlexScore's b, h) in tensor-core kernels already at 255 registers (the wgmma forward at its 128-register
+#: consumer budget); the portable kernels, the mma forward and the key-major mma backward are spill-free.
+#: Measured: mma bwd2d 128/144 B (block mask + causal), wgmma fwd 104/164 B, wgmma bwd 184/156 B. Speed not measured.
+FLEX_SPILL_ALLOWANCE: dict[str, int] = {
+    "mma_flash_bwd2d<": 192,
+    "wgmma_flash_fwd<": 192,
+    "wgmma_flash_bwd<": 256,
+}
+
+
 def allowance(name: str, arch: str) -> int:
+    if "FlexScore<" in name:
+        return max((n for prefix, n in FLEX_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     if "ArrayScore<" in name:
         return max((n for prefix, n in ARRAY_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     for (prefix, a), nbytes in SPILL_ALLOWANCE.items():

@@ -123,7 +123,7 @@ def test_info_kernel_table_for_a_named_gpu():
 # ---------------------------------------------------------------------------- examples
 
 CPU_EXAMPLES = ["numpy_quickstart.py"]
-GPU_EXAMPLES = ["quickstart.py", "long_context.py", "interop.py", "linear_attention.py"]
+GPU_EXAMPLES = ["quickstart.py", "long_context.py", "interop.py", "linear_attention.py", "flex_masks.py"]
 
 
 @pytest.mark.parametrize("script", CPU_EXAMPLES + GPU_EXAMPLES)

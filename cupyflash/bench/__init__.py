@@ -18,7 +18,7 @@ Modules, one job each:
 - ``memory``: the long suite's memory check; ``overhead``: ``--suite overhead``, host microseconds
   per tiny call against GPU time; ``variants``: ``--suite variants``; ``paired``: rows timed by several
   implementations against the first (``dropout``: ``--suite dropout``, issue 16; ``masks``: ``--suite masks``,
-  issue 17); ``run``: measuring and ``main``.
+  issue 17; ``flex``: ``--suite flex``, issue 17's mask_mod + block_mask); ``run``: measuring and ``main``.
 
 ``shapes``, ``report``, ``cli`` and ``timing``'s planning are pure Python and tested on the CPU
 (``tests/test_bench_cli.py``); ``--help`` and ``--list`` need no GPU.

@@ -12,6 +12,7 @@ from .shapes import (
     Shape,
     attention_flops,
     dropout_shapes,
+    flex_shapes,
     fp32_shapes,
     grid_shapes,
     linear_flops,
@@ -37,10 +38,11 @@ SOFTMAX_SUITES: dict[str, Callable[[], list[Shape]]] = {
     "dropout": dropout_shapes,  # deterministic backward, dropout vs SDPA FLASH (bench/dropout.py); alone
     "masks": masks_shapes,  # bias (with its gradient) and bool mask vs SDPA EFFICIENT (bench/masks.py); alone
     "varlen": varlen_shapes,  # a packed batch against dense, padding and nested SDPA (bench/varlen.py); alone
+    "flex": flex_shapes,  # mask_mod + block_mask vs flex_attention, dense causal; first-call compile (bench/flex.py)
 }
-ALONE_SUITES = ("overhead", "variants", "dropout", "masks", "varlen")  # their rows are not the TFLOP/s table's
+ALONE_SUITES = ("overhead", "variants", "dropout", "masks", "varlen", "flex")  # not the TFLOP/s table's rows
 #: Suites whose rows time other passes than fwd and bwd (--passes picks among these).
-SUITE_PASSES = {"dropout": ("bwd", "fwd+bwd"), "masks": ("fwd", "fwd+bwd")}
+SUITE_PASSES = {"dropout": ("bwd", "fwd+bwd"), "masks": ("fwd", "fwd+bwd"), "flex": ("fwd", "fwd+bwd")}
 LINEAR_SUITES: dict[str, Callable[[], list[Shape]]] = {"linear": linear_shapes, "quick": linear_quick_shapes}
 SUITE_GROUPS = {"all": ("grid", "fp32", "long")}
 DEFAULT_SUITES = {"softmax": ("grid", "fp32"), "linear": ("linear",)}
@@ -105,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "SDPA EFFICIENT with the same attn_mask, bf16 and fp32 (--passes fwd,fwd+bwd). varlen (alone): a packed "
         "bf16 causal batch of long-tailed "
         "documents against our dense kernel at the same work, padding to the longest and SDPA on nested tensors "
-        "(--d, --passes filter; --compare none leaves SDPA out)",
+        "(--d, --passes filter; --compare none leaves SDPA out). flex (alone): mask_mod + block_mask for a document "
+        "mask (8 documents in 16k tokens) and prefix-LM against no block mask, dense causal and torch's compiled "
+        "flex_attention, bf16 (--passes fwd,fwd+bwd), and a new snippet's first-call time",
     )
     p.add_argument("--dtype", type=_dtypes, default=None, help="keep only these dtypes (bf16,fp16,fp32)")
     p.add_argument("--d", type=_ints, default=None, help="keep only these head dims, e.g. 64,128")
@@ -267,8 +271,8 @@ def parse_args(argv: Sequence[str] | None = None, *, has_torch: bool | None = No
             parser.error(f"--kernels: {k!r} is not one of {KERNEL_CHOICES}")
     if a.decay and a.mode != "linear":
         parser.error("--decay is a linear-attention option (--mode linear)")
-    if suites == ("masks",) and len(kernels) > 1:
-        parser.error("--suite masks compares one kernel choice with SDPA: use --kernel")
+    if suites in (("masks",), ("flex",)) and len(kernels) > 1:
+        parser.error(f"--suite {suites[0]} compares one kernel choice with torch: use --kernel")
     if a.mode == "linear" and kernels != ("auto",):
         parser.error("--kernel/--kernels choose softmax kernel families; linear attention has its own")
     if a.runs < 1 or a.min_runs < 1 or a.warmup < 0 or a.max_seconds <= 0 or a.naive_budget_gb < 0:
@@ -322,6 +326,10 @@ def is_masks(opts: Options) -> bool:
     return opts.suites == ("masks",)
 
 
+def is_flex(opts: Options) -> bool:
+    return opts.suites == ("flex",)
+
+
 def paired_rows(opts: Options) -> list:
     """The rows of the dropout or masks suite (bench/paired.py's ``Row``), SDPA's columns when a torch
     comparison is on."""
@@ -330,6 +338,10 @@ def paired_rows(opts: Options) -> list:
         from .dropout import plan_rows as dropout_rows
 
         return dropout_rows(opts.shapes, opts.passes, opts.kernels, sdpa)
+    if is_flex(opts):
+        from .flex import plan_rows as flex_rows
+
+        return flex_rows(opts.shapes, opts.passes, opts.kernels[0], sdpa)
     from .masks import plan_rows as masks_rows
 
     return masks_rows(opts.shapes, opts.passes, opts.kernels[0], sdpa)
@@ -341,7 +353,7 @@ def format_plan(opts: Options) -> str:
         from .varlen import plan_rows as varlen_rows
 
         return varlen_plan(varlen_rows(opts.shapes, opts.passes), overhead_uses_sdpa(opts))
-    if is_dropout(opts) or is_masks(opts):
+    if is_dropout(opts) or is_masks(opts) or is_flex(opts):
         from .paired import format_plan as paired_plan
 
         return paired_plan(f"suite {opts.suites[0]}", paired_rows(opts))

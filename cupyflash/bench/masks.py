@@ -12,8 +12,8 @@ torch comparison is on (the default with torch):
   >= 1.5x (SDPA time / ours >= 1.5).
 - "mask" (fwd, fwd+bwd): the bool mask; the issue asks >= 1.0x.
 
-Not here yet: the ``mask_mod`` / ``block_mask`` rows (document mask, prefix-LM against compiled
-``flex_attention``) and the first-call compile time: those features do not exist yet.
+The ``mask_mod`` / ``block_mask`` rows (document mask, prefix-LM against compiled ``flex_attention``) and the
+first-call compile time of a snippet are ``--suite flex`` (bench/flex.py).
 """
 from __future__ import annotations
 

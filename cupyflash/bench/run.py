@@ -12,6 +12,7 @@ from .cli import (
     Options,
     format_plan,
     is_dropout,
+    is_flex,
     is_masks,
     is_overhead,
     is_variants,
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return overhead_main(opts)
     if is_variants(opts):
         return variants_main(opts)
-    if is_dropout(opts) or is_masks(opts):
+    if is_dropout(opts) or is_masks(opts) or is_flex(opts):
         return paired_main(opts)
     if is_varlen(opts):
         return varlen_main(opts)
@@ -224,10 +225,10 @@ def variants_main(opts: Options) -> int:
 def paired_main(opts: Options) -> int:
     """``--suite dropout`` / ``--suite masks``: each row's implementations against its first (bench/paired.py),
     JSON records of kind "dropout" / "masks"."""
-    from . import dropout, masks
+    from . import dropout, flex, masks
     from .paired import format_table, run_rows
 
-    suite = dropout if is_dropout(opts) else masks
+    suite = dropout if is_dropout(opts) else flex if is_flex(opts) else masks
     if overhead_uses_sdpa(opts):
         import torch  # noqa: F401  (imported before environment() so its version is recorded)
     env = _environment()

@@ -109,6 +109,12 @@ def masks_shapes() -> list[Shape]:
     and its gradient are 8 GiB each in fp32 at 8k), not causal (bench/masks.py)."""
     return [Shape(GRID_TOKENS // n, GRID_HIDDEN // d, n, d, False, dtype)
             for dtype in ("bfloat16", "float32") for d in GRID_DS for n in (1024, 2048, 4096, 8192)]  # fmt: skip
+def flex_shapes() -> list[Shape]:
+    """The flex suite (issue 17 part 3): one packed bf16 sequence of GRID_TOKENS tokens, H * D = GRID_HIDDEN, D 64
+    and 128, causal (bench/flex.py's document and prefix-LM masks)."""
+    return [Shape(1, GRID_HIDDEN // d, GRID_TOKENS, d, True, "bfloat16") for d in GRID_DS]
+
+
 def varlen_shapes() -> list[Shape]:
     """The varlen suite (issue 14): one packed batch of GRID_TOKENS tokens (bench/varlen.py's documents), bf16,
     causal, H * D = GRID_HIDDEN at D 64 and 128."""

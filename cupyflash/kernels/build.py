@@ -46,8 +46,30 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.cache
+#: Generated translation units (user snippets, issue 17 part 3): name -> text. A name is
+#: ``"<family source>#flex-<hash of the snippets>"``; it compiles like its family source (same options).
+_generated: dict[str, str] = {}
+
+
+def generated_source(base: str, key: str, text: str) -> str:
+    """Register a generated translation unit that ends by including ``base``; returns its source name."""
+    name = f"{base}#flex-{key}"
+    _generated.setdefault(name, text)
+    return name
+
+
+def base_source(source: str) -> str:
+    """The file a (possibly generated) source compiles as."""
+    return source.partition("#")[0]
+
+
 def read_source(source: str) -> str:
+    text = _generated.get(source)
+    return text if text is not None else _read_file(source)
+
+
+@functools.cache
+def _read_file(source: str) -> str:
     return (source_dir() / source).read_text()
 
 
@@ -78,7 +100,7 @@ ARCH_SPECIFIC: dict[str, str] = {"wgmma_forward.cu": "sm_90a", "wgmma_backward.c
 
 
 def source_options(source: str) -> tuple[str, ...]:
-    arch = ARCH_SPECIFIC.get(source)
+    arch = ARCH_SPECIFIC.get(base_source(source))
     return (*compile_options(), f"-arch={arch}") if arch else compile_options()
 
 
@@ -98,7 +120,15 @@ def get_function(source: str, name: str):
     fn = _functions.get(key)
     if fn is None:
         module = cupy.RawModule(code=read_source(source), options=source_options(source), name_expressions=[name])
-        fn = _functions[key] = module.get_function(name)
+        try:
+            fn = module.get_function(name)
+        except cupy.cuda.compiler.CompileException as e:
+            if source in _generated:  # a user snippet: say where, in the snippet's own lines
+                from ..flex import snippet_error_of_source
+
+                raise snippet_error_of_source(source, str(e)) from None
+            raise
+        _functions[key] = fn
     return fn
 
 
@@ -297,7 +327,7 @@ def nvrtc_compile_many(source: str, names: list[str], arch: str) -> list[Resourc
     parse what ptxas -v says of each entry."""
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(read_source(source), source, [], [])
+    prog = nvrtc.createProgram(read_source(source), source if source == base_source(source) else "flex_user.cu", [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)

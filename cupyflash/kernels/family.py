@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
 from . import build
-from .params import Params, write_dropout
+from .params import Params, write_batch0, write_dropout
 
 LOG2E = 1.4426950408889634
 
@@ -176,6 +176,8 @@ def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int
                 Params.write_pointers(launch.buffer, values)
                 if dropout_seed is not None:
                     write_dropout(launch.buffer, dropout_seed, i * g.batch)
+                elif len(g.offsets) > 1:  # user snippets see the global batch index too
+                    write_batch0(launch.buffer, i * g.batch)
                 launch.fire(stream)
     del memory
 

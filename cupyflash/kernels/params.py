@@ -24,6 +24,8 @@ POINTERS: tuple[str, ...] = (
     "cu_seqlens_q", "cu_seqlens_k", "seqused_k",  # varlen (issue 14)
     "mask", "bias", "dbias",  # masks and biases (issue 17)
     "dq_turns",
+    "aux0", "aux1", "aux2", "aux3", "aux4", "aux5", "aux6", "aux7",  # user snippets' aux arrays (issue 17)
+    "bm_kv", "bm_q",  # block masks (issue 17)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 STRIDE4_FIELDS: tuple[str, ...] = ("mask_s", "bias_s", "dbias_s")
@@ -61,6 +63,16 @@ PARAMS = np.dtype(
         ("dropout_scale", "<f4"),
         ("dropout_b0", "<i4"),
         ("softcap_inv_log2", "<f4"),
+        # user snippets (issue 17 part 3): per aux slot, an array's strides and extents or a scalar's value
+        ("aux_s", "<i8", (8, 4)),
+        ("aux_n", "<i4", (8, 4)),
+        ("aux_x", "<f8", (8,)),
+        # block masks (issue 17 part 3)
+        ("bm_size", "<i4"),
+        ("bm_nqb", "<i4"),
+        ("bm_nkb", "<i4"),
+        ("bm_bb", "<i4"),
+        ("bm_hb", "<i4"),
     ],
     align=True,
 )
@@ -109,6 +121,11 @@ _B0_AT = PARAMS.fields["dropout_b0"][1]
 def write_dropout(buf: bytearray, seed: int, b0: int) -> None:
     """A call's dropout seed and its launch's first batch index into a launch's params buffer."""
     struct.pack_into("<Q", buf, _SEED_AT, seed)
+    write_batch0(buf, b0)
+
+
+def write_batch0(buf: bytearray, b0: int) -> None:
+    """A launch's first batch index (dropout's keys and user snippets' ``b`` are global batch indices)."""
     struct.pack_into("<i", buf, _B0_AT, b0)
 
 

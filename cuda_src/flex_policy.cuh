@@ -1,0 +1,165 @@
+// User-written mask and score functions (issue 17 part 3, FlexAttention's mask_mod / score_mod).
+//
+// cupyflash/flex.py pastes a user's snippets into a generated struct `Fns` (static device functions
+// mask_mod, score_mod, score_grad with the documented names in scope) and compiles one kernel family's source
+// after it; the kernels are instantiated with `Policy<Mask, FlexScore<Base, Fns>>`. Nothing in the kernels
+// knows about snippets: FlexScore is one more score policy, like ArrayScore, because the score hook is the one
+// that knows (b, h) (at_head). Per element, in this order:
+//
+//   s = Base(q . k)                     // the built-in rules: scale, softcap, ALiBi (natural units here)
+//   if (!mask_mod(b, h, q, k)) -inf     // ANDed with the built-in causal/window mask, which kernels apply
+//   else s = score_mod(s, b, h, q, k)
+//
+// The backward's ds_factor is d(new score)/d(score) = score_grad(new_score, ...), with new_score recovered from
+// P and lse (the kernels keep P, not the raw score: no extra registers in backwards at their register limit).
+// The built-in softcap's own derivative needs the score before score_mod, so softcap with score_mod has no
+// backward (refused in Python). Snippets are evaluated only inside the problem (q < nq, k < nk): padded rows
+// and keys of a tile never reach them.
+#pragma once
+#include "attention_policy.cuh"
+
+namespace cupyflash {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+// What an aux array's accessor returns: float for the float types, the integer type itself, bool.
+template <class T> struct AuxValue { using type = T; };
+template <> struct AuxValue<__half> { using type = float; };
+template <> struct AuxValue<__nv_bfloat16> { using type = float; };
+
+template <class T> __device__ __forceinline__ typename AuxValue<T>::type aux_value(T x) { return x; }
+template <> __device__ __forceinline__ float aux_value<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float aux_value<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// A user's aux array of N <= 4 dims, read through its element strides: name(i, j, ...) with exactly N
+// indices. An index outside [0, extent) reads 0 (never memory outside the array, whatever the snippet computes).
+// Extents and strides stay in the kernel's constant bank (read where used, no registers held).
+template <class T, int N>
+class AuxArray {
+  const AttentionParams* P;  // private: a snippet reads values through operator() only
+  int slot;
+  const T* data;
+
+ public:
+  __device__ AuxArray(const AttentionParams* p, int slot_, const void* data_)
+      : P(p), slot(slot_), data(static_cast<const T*>(data_)) {}
+  template <class... I>
+  __device__ __forceinline__ typename AuxValue<T>::type operator()(I... idx) const {
+    static_assert(sizeof...(I) == N, "an aux array takes one index per dimension");
+    const long long ix[N] = {static_cast<long long>(idx)...};
+    long long off = 0;
+    bool ok = true;
+#pragma unroll
+    for (int d = 0; d < N; ++d) {
+      ok = ok && ix[d] >= 0 && ix[d] < P->aux_n[slot][d];
+      off += ix[d] * P->aux_s[slot][d];
+    }
+    return ok ? aux_value<T>(data[off]) : typename AuxValue<T>::type(0);
+  }
+};
+
+// The user's functions on top of a built-in score rule Base (PlainScore or ModScore). Fns (generated) says
+// which snippets exist (kMask, kScore) and holds them.
+template <class Base, class Fns>
+struct FlexScore {
+  static constexpr bool kIdentity = false;
+  Base base;
+  const AttentionParams* P;  // the kernel's __grid_constant__ params (sizes and aux read in place)
+  int b = 0, h = 0;          // the global batch index (leading dims flattened) and the query head
+  __device__ FlexScore(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
+  __device__ __forceinline__ void at_head(const AttentionParams& p, int b_, int h_) {
+    base.at_head(p, b_, h_);
+    b = p.dropout_b0 + b_;  // a launch of one sub-batch of leading dims starts at dropout_b0
+    h = h_;
+  }
+  __device__ __forceinline__ bool inside(int q, int k) const { return q < P->nq && k < P->nk; }
+  template <bool kFast>
+  __device__ __forceinline__ float log2_score(float r, int q, int k) const {
+    float x;
+    if constexpr (Base::kIdentity) x = r * P->scale_log2;
+    else x = base.template log2_score<kFast>(r, q, k);
+    if (inside(q, k)) {
+      bool keep = true;
+      if constexpr (Fns::kMask) keep = Fns::mask_mod(*P, b, h, q, k);
+      if (!keep) {
+        x = -__int_as_float(0x7f800000);
+      } else if constexpr (Fns::kScore) {
+        const float s = Base::kIdentity ? r * P->scale : x * kLn2;
+        x = Fns::score_mod(*P, s, b, h, q, k) * kLog2e;
+      }
+    }
+    // As ArrayScore: one element's loads are used before the next element's are issued (no hoisting of a
+    // tile's worth of aux loads into registers the tensor-core kernels do not have).
+    asm volatile("" : "+f"(x) : : "memory");
+    return x;
+  }
+  template <bool kFast>
+  __device__ __forceinline__ float ds_factor(float Pij, float lse2, int q, int k) const {
+    if constexpr (Fns::kScore) {
+      if (!(Pij > 0.f) || !inside(q, k)) return 0.f;
+      const float lg = kFast ? fast_log2(Pij) : log2f(Pij);
+      return Fns::score_grad(*P, (lg + lse2) * kLn2, b, h, q, k);
+    } else if constexpr (Base::kIdentity) {
+      return 1.f;
+    } else {
+      return base.template ds_factor<kFast>(Pij, lse2, q, k);  // mask_mod alone leaves visible scores as they are
+    }
+  }
+};
+
+}  // namespace cupyflash
+
+namespace cupyflash {
+
+// A built-in mask (NoMask, Causal, Window) narrowed by a block mask (create_block_mask): keys_of/queries_of
+// intersect Base's range with the blocks that are not empty for this block's (b, h), so the kernels' tile
+// loops never visit tiles before the first or after the last visible block of a row or column (for a document
+// or prefix-LM mask that is every empty tile). The ranges are conservative for any kernel tile: a tile covering
+// part of a block takes that block's whole range. Per-element decisions stay with Base and mask_mod.
+//
+// The (b, h) of a kernel's block comes from its grid: the bh axis spans batch * heads, with heads = Hq for
+// query-major kernels (forwards, the separate dQ pass) and Hk for key-major ones (backwards), where the range is
+// the union over the kv head's group of query heads.
+template <class Base>
+struct BlockMasked {
+  Base base;
+  const AttentionParams* P;
+  int b, h0, nh;  // global batch index; the query heads [h0, h0 + nh) this kernel block serves
+  __device__ BlockMasked(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {
+    const TileCoord tc = tile_coord(p);
+    const int heads = (p.heads_fastest ? gridDim.x : gridDim.y) / p.batch;
+    const int hh = tc.bh % heads;
+    b = tc.bh / heads + p.dropout_b0;
+    nh = heads == p.hq ? 1 : p.group;
+    h0 = hh * nh;
+  }
+  __device__ __forceinline__ bool visible(int q, int k) const { return base.visible(q, k); }
+  __device__ __forceinline__ bool partial(int q0, int q1, int k0, int k1) const { return base.partial(q0, q1, k0, k1); }
+  __device__ __forceinline__ Range keys_of(int q0, int q1) const {
+    return narrow(base.keys_of(q0, q1), P->bm_kv, q0, q1, P->bm_nqb);
+  }
+  __device__ __forceinline__ Range queries_of(int k0, int k1) const {
+    return narrow(base.queries_of(k0, k1), P->bm_q, k0, k1, P->bm_nkb);
+  }
+  // r intersected with the union of the [first, last) blocks of table rows covering [x0, x1).
+  __device__ Range narrow(Range r, const int* table, int x0, int x1, int rows) const {
+    if (r.end <= r.begin || table == nullptr) return r;
+    const int s = P->bm_size;
+    const int i0 = max(x0, 0) / s, i1 = min((x1 + s - 1) / s, rows);
+    const int bb = P->bm_bb == 1 ? 0 : b;
+    int lo = 0x7fffffff, hi = 0;
+    for (int h = h0; h < h0 + nh; ++h) {
+      const int hb = P->bm_hb == 1 ? 0 : h;
+      const int* row = table + 2LL * ((static_cast<long long>(bb) * P->bm_hb + hb) * rows);
+      for (int i = i0; i < i1; ++i) {
+        lo = min(lo, row[2 * i]);
+        hi = max(hi, row[2 * i + 1]);
+      }
+      if (P->bm_hb == 1) break;
+    }
+    const Range out = {max(r.begin, lo >= hi ? 0 : lo * s), min(r.end, lo >= hi ? 0 : hi * s)};
+    return out.end > out.begin ? out : Range{0, 0};
+  }
+};
+
+}  // namespace cupyflash

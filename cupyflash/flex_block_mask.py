@@ -1,0 +1,206 @@
+"""Block masks (issue 17 part 3; FlexAttention's ``create_block_mask``): which tiles of a mask_mod are empty.
+
+``create_block_mask(mask_mod, B, H, Nq, Nk, aux=None, block_size=64)`` evaluates the mask once per
+``block_size x block_size`` tile of every (b, h) and records each tile as empty (0), partial (1) or full (2)
+(``BlockMask.states``). With CuPy it runs a small generated kernel (one thread block per tile) compiled from the
+same snippet text as the attention kernels; with a Python callable (the snippet's twin) it runs in NumPy, the
+reference of the CPU tests.
+
+Passing ``block_mask=`` with the same ``mask_mod`` (and aux) to an attention call narrows every kernel tile loop
+to the blocks between the first and the last non-empty one of its rows (forwards) or columns (backwards)
+(``BlockMasked`` in ``cuda_src/flex_policy.cuh``): for a document mask or a prefix-LM mask that skips every
+empty tile. Interior empty tiles (a row whose visible blocks are not contiguous) are still visited, and
+mask_mod still runs per element in the visited tiles. The block size need not match any kernel's tiles: a kernel
+tile covering part of a block takes that block's whole range (conservative). ``B``/``H`` of ``None`` (or 1)
+make one table serve every batch / head (the mask must then not depend on ``b`` / ``h``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+DEFAULT_BLOCK = 64
+
+
+@dataclass(eq=False)
+class BlockMask:
+    """A mask_mod's tile states and the per-row / per-column ranges of non-empty blocks the kernels read."""
+
+    mask_mod: Any  # the snippet text (or Python twin) it was made from
+    aux_signature: tuple  # the aux slots (flex.AuxSlot) it was made with
+    batch: int  # 1: one table for every batch
+    heads: int  # 1: one table for every head
+    nq: int
+    nk: int
+    block_size: int
+    states: Any  # uint8 (batch, heads, ceil(Nq / bs), ceil(Nk / bs)): EMPTY, PARTIAL, FULL
+    kv_range: Any  # int32 (batch, heads, nqb, 2): [first, last) non-empty key blocks per query block
+    q_range: Any  # int32 (batch, heads, nkb, 2): [first, last) non-empty query blocks per key block
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.states.shape)
+
+    def sparsity(self) -> float:
+        """The fraction of tiles that are empty."""
+        return float((self.states == EMPTY).mean())
+
+    def visited(self) -> float:
+        """The fraction of tiles the kernels' narrowed loops visit (between the first and last non-empty block of
+        each query block's row)."""
+        r = self.kv_range
+        return float((r[..., 1] - r[..., 0]).clip(0).sum()) / max(1, self.states.size)
+
+    def pointers(self) -> dict[str, Any]:
+        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``)."""
+        return {"bm_kv": self.kv_range, "bm_q": self.q_range}
+
+    def params(self) -> dict[str, int]:
+        nqb, nkb = self.states.shape[-2:]
+        return {"bm_size": self.block_size, "bm_nqb": nqb, "bm_nkb": nkb, "bm_bb": self.batch, "bm_hb": self.heads}
+
+    def __repr__(self) -> str:
+        return (f"BlockMask(batch={self.batch}, heads={self.heads}, Nq={self.nq}, Nk={self.nk}, "
+                f"block_size={self.block_size}, empty={self.sparsity():.3f})")  # fmt: skip
+
+
+def _positive(name: str, x: Any, allow_none: bool = False) -> int:
+    if x is None and allow_none:
+        return 1
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}; got {x!r}")
+    return int(x)
+
+
+def ranges(states: Any, xp: Any) -> tuple[Any, Any]:
+    """(kv_range, q_range) of a states array: per row (column) the first and one past the last non-empty block,
+    (0, 0) where a row (column) is empty."""
+
+    def first_last(visible: Any) -> Any:  # (..., rows, n) -> (..., rows, 2)
+        n = visible.shape[-1]
+        any_ = visible.any(axis=-1)
+        first = xp.argmax(visible, axis=-1)
+        last = n - xp.argmax(visible[..., ::-1], axis=-1)
+        out = xp.stack([xp.where(any_, first, 0), xp.where(any_, last, 0)], axis=-1)
+        return xp.ascontiguousarray(out.astype(np.int32))
+
+    visible = states != EMPTY
+    return first_last(visible), first_last(visible.swapaxes(-1, -2))
+
+
+def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict[str, Any] | None = None,
+                      block_size: int = DEFAULT_BLOCK) -> BlockMask:  # fmt: skip
+    """Evaluate ``mask_mod`` per tile and return the ``BlockMask`` to pass as ``block_mask=``.
+
+    mask_mod: the C++ snippet (CuPy: a generated kernel on the current device) or its Python twin (NumPy).
+    B, H: the batch (leading dims flattened) and query-head counts, or None (one table for all; mask_mod is then
+    evaluated at b = 0 / h = 0). Nq, Nk: the sequence lengths. aux: as the attention call's (same names, kinds,
+    dtypes and dims). block_size: the tile edge (default 64; any positive size works with every kernel family).
+    """
+    from . import flex
+
+    bb, hb = _positive("B", B, True), _positive("H", H, True)
+    nq, nk, bs = _positive("Nq", Nq), _positive("Nk", Nk), _positive("block_size", block_size)
+    if callable(mask_mod):
+        slots = flex.check_aux(aux, "numpy")
+        states = _numpy_states(mask_mod, bb, hb, nq, nk, bs)
+        kv, q = ranges(states, np)
+    else:
+        flex.check_text("mask_mod", mask_mod)
+        slots = flex.check_aux(aux, "cupy")
+        spec = flex.FlexSpec(mask_mod=mask_mod, aux=slots)
+        flex.check(spec)
+        states = _cuda_states(spec, aux, bb, hb, nq, nk, bs)
+        import cupy
+
+        kv, q = ranges(states, cupy)
+    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q)
+
+
+def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> np.ndarray:
+    """The reference: mask_mod's twin on every element, reduced per tile."""
+    b = np.arange(bb).reshape(bb, 1, 1, 1)
+    h = np.arange(hb).reshape(1, hb, 1, 1)
+    q = np.arange(nq).reshape(1, 1, nq, 1)
+    k = np.arange(nk).reshape(1, 1, 1, nk)
+    full = np.broadcast_to(np.asarray(mask_mod(b, h, q, k), dtype=bool), (bb, hb, nq, nk))
+    nqb, nkb = -(-nq // bs), -(-nk // bs)
+    pad = np.zeros((bb, hb, nqb * bs, nkb * bs), bool)
+    pad[..., :nq, :nk] = full
+    inside = np.zeros((nqb * bs, nkb * bs), bool)
+    inside[:nq, :nk] = True
+    tiles = pad.reshape(bb, hb, nqb, bs, nkb, bs).sum(axis=(3, 5))
+    size = inside.reshape(nqb, bs, nkb, bs).sum(axis=(1, 3))
+    return np.where(tiles == 0, EMPTY, np.where(tiles == size, FULL, PARTIAL)).astype(np.uint8)
+
+
+#: The generated kernel: one thread block per tile; each thread ORs and ANDs its elements' mask, then the block.
+_STATES_KERNEL = r"""
+__global__ void cf_block_states(const __grid_constant__ cupyflash::AttentionParams p) {
+  const int bs = p.bm_size, nqb = p.bm_nqb, nkb = p.bm_nkb;
+  long long t = blockIdx.x;
+  const int kb = t % nkb; t /= nkb;
+  const int qb = t % nqb; t /= nqb;
+  const int h = t % p.bm_hb;
+  const int b = static_cast<int>(t / p.bm_hb);
+  int any = 0, all = 1;
+  for (int e = threadIdx.x; e < bs * bs; e += blockDim.x) {
+    const int q = qb * bs + e / bs, k = kb * bs + e % bs;
+    if (q < p.nq && k < p.nk) {
+      const bool m = cupyflash::flex::User::mask_mod(p, b, h, q, k);
+      any |= m;
+      all &= m;
+    }
+  }
+  any = __syncthreads_or(any);
+  all = __syncthreads_and(all);
+  if (threadIdx.x == 0) static_cast<unsigned char*>(p.o)[blockIdx.x] = any ? (all ? 2 : 1) : 0;
+}
+"""
+
+
+def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> Any:
+    import cupy
+
+    from . import flex
+    from .kernels import build
+    from .kernels.params import Params
+    from .plans import LaunchPlan
+
+    nqb, nkb = -(-nq // bs), -(-nk // bs)
+    states = cupy.empty((bb, hb, nqb, nkb), dtype=np.uint8)
+    tiles = bb * hb * nqb * nkb
+    params = Params().set(nq=nq, nk=nk, bm_size=bs, bm_nqb=nqb, bm_nkb=nkb, bm_bb=bb, bm_hb=hb,
+                          **_aux_params(aux))  # fmt: skip
+    source = build.generated_source("block_mask", spec.key, flex.generate(spec) + _STATES_KERNEL)
+    flex._specs[spec.key] = spec
+    plan = LaunchPlan(source, "cf_block_states", (tiles, 1, 1), (256, 1, 1), 0)
+    launch = build.Launch(plan, params.to_bytes())
+    Params.write_pointers(launch.buffer, Params.pointer_values({"o": states.data.ptr, **{
+        n: a.data.ptr for n, a in flex.aux_arrays(aux).items()}}))  # fmt: skip
+    launch.fire(cupy.cuda.get_current_stream().ptr)
+    return states
+
+
+def _aux_params(aux: Any) -> dict[str, Any]:
+    from .flex import aux_params, aux_values
+
+    return aux_params(aux_values(aux))
+
+
+def check_block_mask(block_mask: Any, full: tuple[int, ...], xp: str) -> None:
+    """A block mask must come from ``create_block_mask`` for this call's Nq, Nk and batch/heads (or 1), on q's
+    array library."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must come from cupyflash.create_block_mask; got {type(block_mask).__name__}")
+    *batch, hq, nq, nk = full
+    nb = int(np.prod(batch)) if batch else 1
+    kind = "numpy" if isinstance(block_mask.states, np.ndarray) else "cupy"
+    if kind != xp:
+        raise TypeError(f"block_mask was made for {kind} arrays; this call has {xp} arrays")
+    if (block_mask.nq, block_mask.nk) != (nq, nk) or block_mask.batch not in (1, nb) or block_mask.heads not in (1, hq):
+        raise ValueError(f"block_mask was made for B={block_mask.batch}, H={block_mask.heads}, Nq={block_mask.nq}, "
+                         f"Nk={block_mask.nk}; this call has B={nb}, H={hq}, Nq={nq}, Nk={nk}")  # fmt: skip
