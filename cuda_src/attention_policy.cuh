@@ -143,9 +143,11 @@ struct ModScore {
 // (b, h, q, k) strides, 0 along broadcast dims. Either array may be absent (a null pointer: a uniform branch);
 // BiasT is the bias's element type (float when there is none). It lives in the score hook because the score
 // is the hook that knows (b, h); the per-element cost is a load or two, and tiles are skipped only by the
-// built-in mask. With dbias, the backward adds dS = P (dP - Delta) (the gradient of the score after the
-// bias, before the softcap's derivative) into the f32 accumulator through its strides (atomics: broadcast
-// dims have stride 0 there, so each element sums over them).
+// built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the gradient of the score after the
+// bias, before the softcap's derivative) through dbias's strides: a broadcast bias adds it into an f32
+// accumulator (atomics: broadcast dims have stride 0 there, so each element sums over them); a full-shape one
+// (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its element: no atomics, no
+// accumulator, no conversion pass).
 template <class Base, class BiasT = float>
 struct ArrayScore {
   static constexpr bool kIdentity = false;
@@ -156,14 +158,17 @@ struct ArrayScore {
   const AttentionParams* P;
   const unsigned char* mask = nullptr;  // this (b, h)'s slice, or null
   const BiasT* bias = nullptr;
-  float* dbias = nullptr;
+  void* dbias = nullptr;  // float* (accumulator) or BiasT* (p.dbias_direct: the output)
   // (Dense calls only: the arrays are indexed by the call's (b, h, q, k), and inside() reads the call's nq, nk.)
   __device__ ArrayScore(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     base.at_head(p, b, h);
     mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
     bias = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
-    dbias = p.dbias != nullptr ? p.dbias + b * p.dbias_s.b + h * p.dbias_s.h : nullptr;
+    const long long at = b * p.dbias_s.b + h * p.dbias_s.h;
+    if (p.dbias == nullptr) dbias = nullptr;
+    else if (p.dbias_direct) dbias = reinterpret_cast<BiasT*>(p.dbias) + at;
+    else dbias = p.dbias + at;
   }
   __device__ __forceinline__ bool inside(int q, int k) const { return q < P->nq && k < P->nk; }
   // The bias in log2 units (0 outside the problem: padded rows and keys of a tile read nothing).
@@ -189,9 +194,14 @@ struct ArrayScore {
     if constexpr (Base::kIdentity) return 1.f;
     else return base.template ds_factor<kFast>(Pij, lse2 - bias_log2(q, k), q, k);
   }
-  // dS = P (dP - Delta) of one (q, k) pair into dbias (zeros, and pairs outside the problem, add nothing).
+  // dS = P (dP - Delta) of one (q, k) pair into dbias: stored when the pair owns its element (zeros too: the
+  // output is not zeroed where tiles are visited), else added (zeros add nothing); pairs outside the problem
+  // touch nothing.
   __device__ __forceinline__ void add_dbias(float ds, int q, int k) const {
-    if (dbias != nullptr && ds != 0.f && inside(q, k)) atomicAdd(dbias + q * P->dbias_s.q + k * P->dbias_s.k, ds);
+    if (dbias == nullptr || !inside(q, k)) return;
+    const int at = q * P->dbias_s.q + k * P->dbias_s.k;
+    if (P->dbias_direct) static_cast<BiasT*>(dbias)[at] = from_float<BiasT>(ds);
+    else if (ds != 0.f) atomicAdd(static_cast<float*>(dbias) + at, ds);
   }
 };
 

@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         float2 lq = {0.f, 0.f};
         if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + (ch * kNC + n) * 8);
         if constexpr (Policy::Dropout::kOn) dropout_split(pt[ch * kNC + n], dpt[n], pol.dropout.scale);
-        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8);
+        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8,
+                kDSplit == 1 || dw == 0);  // with a d split every dw warp has the same dS^T: one adds dbias
       }
 
       // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).

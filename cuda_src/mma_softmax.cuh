@@ -161,10 +161,11 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
 
 // The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
 // P^T (dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt).
-// lse_q: the tile's queries' lse (natural log), delta_q: their Delta.
+// lse_q: the tile's queries' lse (natural log), delta_q: their Delta. grad_owner: this warp gives the pairs'
+// dbias (false on the warps that recompute the same tile for other head-dim columns).
 template <class Score>
 __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
-                                        float2 lse_q, const Score& score, int key0, int q0) {
+                                        float2 lse_q, const Score& score, int key0, int q0, bool grad_owner = true) {
   if constexpr (Score::kIdentity) {
     ds[0] = pt[0] * (dpt[0] - delta_q.x);
     ds[1] = pt[1] * (dpt[1] - delta_q.y);
@@ -179,7 +180,9 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
       const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
       const float f = score.template ds_factor<true>(pt[e], l2, query, key);
       const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
-      if constexpr (HasBiasGrad<Score>::value) score.add_dbias(dsc, query, key);
+      if constexpr (HasBiasGrad<Score>::value) {
+        if (grad_owner) score.add_dbias(dsc, query, key);
+      }
       ds[e] = dsc * f;
     }
   }

@@ -60,6 +60,8 @@ PARAMS = np.dtype(
         ("dropout_threshold", "<u4"),
         ("dropout_scale", "<f4"),
         ("dropout_b0", "<i4"),
+        # dbias stores (issue 17 speed): 1 = dbias is the output, one element per pair (no atomics)
+        ("dbias_direct", "<i4"),
     ],
     align=True,
 )
