@@ -150,6 +150,15 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       }
       cp_async_commit();
     }
+    {  // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
+      using S = typename Policy::Score;
+      if (it == 0) prefetch_score_arrays<true, S, Br, 16>(p, b, hh, i0, key_w);
+      if (HasPrefetch<S>::value && it + 1 < total) {
+        int hn, in;
+        tile_of(it + 1, hn, in);
+        prefetch_score_arrays<true, S, Br, 16>(p, b, hn, in, key_w);
+      }
+    }
     const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
     const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
     const int quad2 = (opaque(static_cast<int>(threadIdx.x)) & 3) * 2;  // this lane's query pair
