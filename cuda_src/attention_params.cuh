@@ -50,7 +50,8 @@ struct AttentionParams {
   const int* seqused_k;
   // User arrays (issue 17): a bool mask (True = may attend) and an additive bias, each read through its own
   // (b, h, q, k) strides (0 along a broadcast dim, never expanded), and the bias gradient's f32 accumulator
-  // in the bias's own shape (its broadcast dims have stride 0 there too, so atomics sum over them).
+  // in the bias's own shape (its broadcast dims have stride 0 there too, so atomics sum over them), or with
+  // dbias_direct (below) the gradient itself in the bias's dtype.
   const unsigned char* mask;
   const void* bias;
   float* dbias;
@@ -103,6 +104,10 @@ struct AttentionParams {
   // Block masks: the block size, the query and key block counts, and the batch and head extents of the tables
   // (1: one table for every batch / head).
   int bm_size, bm_nqb, bm_nkb, bm_bb, bm_hb;
+
+  // dbias stores (issue 17 speed): 1 when no (b, h, q, k) of the problem shares a dbias element (the bias is
+  // not broadcast): dbias is then the output itself, in the bias's dtype, and each dS is stored, not added.
+  int dbias_direct;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

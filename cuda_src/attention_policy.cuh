@@ -16,6 +16,8 @@
 //   pol.score.ds_factor<kFast>(P, lse2, q, k)  // d(score)/d(scale * q . k), recomputed from P in the backward
 //   sink_logit(p, h)                      // attention sinks: a per-head logit in every row's softmax
 //   pol.score.add_dbias(ds, q, k)         // ArrayScore only (HasBiasGrad): the bias gradient, per pair
+//   prefetch_score_arrays<kL1, Score, kRows, kCols>(p, b, h, q0, k0)  // cache hint: a tile's mask/bias rows
+//   prefetch_score_arrays<kL1, kRows, kCols>(pol.score, q0, k0)        // ... from a score after at_head
 //
 // Kernels visit only the tiles that the ranges cover, test elements only in partial tiles, and never
 // spell out a mask or score rule of their own. Python names the policy type (cupyflash/variants.py) and
@@ -169,33 +171,82 @@ struct SplitsSoftcap<S, decltype(void(S::kSplitsSoftcap))> {
   static constexpr bool value = S::kSplitsSoftcap;
 };
 
+// A cache hint for a kRows x kCols tile of a score-shaped array whose key axis is contiguous: rows q0.. and
+// elements k0.. (clipped to nq x nk; sq = 0: one row serves every query), from kThreads threads together (a warp,
+// or a block): thread t = threadIdx.x % kThreads takes rows q0 + t / kParts + i * (kThreads / kParts) and, of each,
+// the 128-byte lines t % kParts, + kParts, ... (kParts threads share a row when there are more threads than
+// rows). All trip counts are compile-time (few registers: the kernels sit at their limits). kL1: into L1 (the
+// kernel reads the tile one step later), else L2 only. A hint: it changes no value, and every address lies
+// inside the tile's rows.
+// x through a register move the compiler cannot see through (as mma::opaque): addresses computed from it are
+// rebuilt where they are used instead of being hoisted out of the kernels' loops into live registers.
+__device__ __forceinline__ int prefetch_opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <bool kL1, int kRows, int kCols, int kThreads, class E>
+__device__ __forceinline__ void prefetch_tile(const E* slice, int sq, int nq, int nk, int q0, int k0) {
+  constexpr int kParts = kThreads > kRows ? kThreads / kRows : 1;
+  constexpr int kRowStep = kThreads / kParts;
+  constexpr int kLines = (kCols * static_cast<int>(sizeof(E)) + 127) / 128 + 1;  // + 1: unaligned rows
+  const int t = prefetch_opaque(static_cast<int>(threadIdx.x)) % kThreads;
+  q0 = prefetch_opaque(q0);
+  const int k1 = min(k0 + kCols, nk);
+  k0 = max(k0, 0);
+  if (k1 <= k0) return;
+  const int q_end = sq == 0 ? q0 + 1 : min(q0 + kRows, nq);
+#pragma unroll
+  for (int i = 0; i < (kRows + kRowStep - 1) / kRowStep; ++i) {
+    const int q = q0 + t / kParts + i * kRowStep;
+    if (q >= q_end) continue;
+    const size_t first = __cvta_generic_to_global(slice + q * sq + k0);
+    const size_t end = first + (k1 - k0) * sizeof(E);
+#pragma unroll
+    for (int line = 0; line < kLines; line += kParts) {
+      const int l = line + t % kParts;
+      const size_t at = l == 0 ? first : (first & ~size_t(127)) + l * 128;
+      if (l >= kLines || at >= end) continue;
+      if constexpr (kL1) asm volatile("prefetch.global.L1 [%0];\n" : : "l"(at));
+      else asm volatile("prefetch.global.L2 [%0];\n" : : "l"(at));
+    }
+  }
+}
+
 // Masks and biases given as arrays (issue 17), on top of a built-in score rule Base (PlainScore or
 // ModScore): s = Base(q . k) + bias[b, h, q, k] (after softcap and ALiBi), then -inf where mask[b, h, q, k] is
 // false (ANDed with the built-in mask, which the kernels apply as before). The arrays are read through their
 // (b, h, q, k) strides, 0 along broadcast dims. Either array may be absent (a null pointer: a uniform branch);
 // BiasT is the bias's element type (float when there is none). It lives in the score hook because the score
 // is the hook that knows (b, h); the per-element cost is a load or two, and tiles are skipped only by the
-// built-in mask. With dbias, the backward adds dS = P (dP - Delta) (the gradient of the score after the
-// bias, before the softcap's derivative) into the f32 accumulator through its strides (atomics: broadcast
-// dims have stride 0 there, so each element sums over them).
+// built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the gradient of the score after the
+// bias, before the softcap's derivative) through dbias's strides: a broadcast bias adds it into an f32
+// accumulator (atomics: broadcast dims have stride 0 there, so each element sums over them); a full-shape one
+// (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its element: no atomics, no
+// accumulator, no conversion pass).
 template <class Base, class BiasT = float>
 struct ArrayScore {
   static constexpr bool kIdentity = false;
   static constexpr bool kBiasGrad = true;
+  static constexpr bool kPrefetch = true;
   Base base;
   // The kernel's __grid_constant__ params: sizes and (q, k) strides are read from the constant bank where
   // they are used (the tensor-core kernels run at their register limit; copies would spill).
   const AttentionParams* P;
   const unsigned char* mask = nullptr;  // this (b, h)'s slice, or null
   const BiasT* bias = nullptr;
-  float* dbias = nullptr;
+  void* dbias = nullptr;  // float* (accumulator) or BiasT* (p.dbias_direct: the output)
   // (Dense calls only: the arrays are indexed by the call's (b, h, q, k), and inside() reads the call's nq, nk.)
   __device__ ArrayScore(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     base.at_head(p, b, h);
     mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
     bias = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
-    dbias = p.dbias != nullptr ? p.dbias + b * p.dbias_s.b + h * p.dbias_s.h : nullptr;
+    const long long at = b * p.dbias_s.b + h * p.dbias_s.h;
+    if (p.dbias == nullptr) dbias = nullptr;
+    else if (p.dbias_direct) dbias = reinterpret_cast<BiasT*>(p.dbias) + at;
+    else dbias = p.dbias + at;
   }
   __device__ __forceinline__ bool inside(int q, int k) const { return q < P->nq && k < P->nk; }
   // The bias in log2 units (0 outside the problem: padded rows and keys of a tile read nothing).
@@ -221,9 +272,41 @@ struct ArrayScore {
     if constexpr (Base::kIdentity) return 1.f;
     else return base.template ds_factor<kFast>(Pij, lse2 - bias_log2(q, k), q, k);
   }
-  // dS = P (dP - Delta) of one (q, k) pair into dbias (zeros, and pairs outside the problem, add nothing).
+  // Speed (issue 17): log2_score reads one element at a time (registers), so each of its loads waits for the
+  // last. A warp (or block) first asks for a tile's rows here, all lines at once and a step ahead, so that those
+  // loads hit L1 instead of waiting on HBM one by one (prefetch_tile; arrays whose key axis is strided or
+  // broadcast are not prefetched: read as before). From this head's slices (after at_head):
+  template <bool kL1, int kRows, int kCols, int kThreads>
+  __device__ __forceinline__ void prefetch(int q0, int k0) const {
+    prefetch_slices<kL1, kRows, kCols, kThreads>(*P, bias, mask, q0, k0);
+  }
+  // ... or static, from the params alone: for kernels that issue it where no policy object is live (the
+  // backward's, which build theirs per step after the products).
+  template <bool kL1, int kRows, int kCols, int kThreads>
+  static __device__ __forceinline__ void prefetch(const AttentionParams& p, int b, int h, int q0, int k0) {
+    b = prefetch_opaque(b);
+    h = prefetch_opaque(h);
+    const BiasT* b_slice = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h
+                                             : nullptr;
+    const unsigned char* m_slice = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
+    prefetch_slices<kL1, kRows, kCols, kThreads>(p, b_slice, m_slice, q0, k0);
+  }
+  template <bool kL1, int kRows, int kCols, int kThreads>
+  static __device__ __forceinline__ void prefetch_slices(const AttentionParams& p, const BiasT* b_slice,
+                                                         const unsigned char* m_slice, int q0, int k0) {
+    if (b_slice != nullptr && p.bias_s.k == 1)
+      prefetch_tile<kL1, kRows, kCols, kThreads>(b_slice, p.bias_s.q, p.nq, p.nk, q0, k0);
+    if (m_slice != nullptr && p.mask_s.k == 1)
+      prefetch_tile<kL1, kRows, kCols, kThreads>(m_slice, p.mask_s.q, p.nq, p.nk, q0, k0);
+  }
+  // dS = P (dP - Delta) of one (q, k) pair into dbias: stored when the pair owns its element (zeros too: the
+  // output is not zeroed where tiles are visited), else added (zeros add nothing); pairs outside the problem
+  // touch nothing.
   __device__ __forceinline__ void add_dbias(float ds, int q, int k) const {
-    if (dbias != nullptr && ds != 0.f && inside(q, k)) atomicAdd(dbias + q * P->dbias_s.q + k * P->dbias_s.k, ds);
+    if (dbias == nullptr || !inside(q, k)) return;
+    const int at = q * P->dbias_s.q + k * P->dbias_s.k;
+    if (P->dbias_direct) static_cast<BiasT*>(dbias)[at] = from_float<BiasT>(ds);
+    else if (ds != 0.f) atomicAdd(static_cast<float*>(dbias) + at, ds);
   }
 };
 
@@ -236,6 +319,29 @@ template <class S>
 struct HasBiasGrad<S, decltype(void(S::kBiasGrad))> {
   static constexpr bool value = S::kBiasGrad;
 };
+
+// Does a score type read arrays worth prefetching (prefetch<kL1>)? Built-in scores do not.
+template <class S, class = void>
+struct HasPrefetch {
+  static constexpr bool value = false;
+};
+template <class S>
+struct HasPrefetch<S, decltype(void(S::kPrefetch))> {
+  static constexpr bool value = S::kPrefetch;
+};
+
+// The kernels' call: a cache hint for the score arrays of (batch b, query head h), the kRows x kCols tile at
+// (q0, k0), from kThreads threads together (a warp, or a block's first kThreads); nothing for scores without
+// arrays. kL1: the tile is scored next step; else later (into L2). Dense calls only, as ArrayScore.
+template <bool kL1, class Score, int kRows, int kCols, int kThreads = 32>
+__device__ __forceinline__ void prefetch_score_arrays(const AttentionParams& p, int b, int h, int q0, int k0) {
+  if constexpr (HasPrefetch<Score>::value) Score::template prefetch<kL1, kRows, kCols, kThreads>(p, b, h, q0, k0);
+}
+// The same from a score whose at_head has run (its slice pointers are live already: the forward's).
+template <bool kL1, int kRows, int kCols, int kThreads = 32, class Score>
+__device__ __forceinline__ void prefetch_score_arrays(const Score& score, int q0, int k0) {
+  if constexpr (HasPrefetch<Score>::value) score.template prefetch<kL1, kRows, kCols, kThreads>(q0, k0);
+}
 
 // Attention sinks: the logit of head h's sink in log2 units (every row's softmax starts from it), or
 // -inf without sinks.

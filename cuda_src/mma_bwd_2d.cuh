@@ -159,6 +159,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       const LdmRows<D, true> kv_a(sw * kSK + (ln & 15), ln >> 4);                              // A: K, V
       const LdmRows<D, true> qn_b(qw * kSQ + (ln >> 4) * 8 + (ln & 7), (ln >> 3) & 1);         // B: Q, dO
       const int key0 = j0 + sw * kSK, query0 = i0 + qw * kSQ;
+      {  // Mask/bias arrays: this warp's tile of step it + 1 into L1, a whole step ahead (step 0's with it).
+        using S = typename Policy::Score;
+        if (it == 0) prefetch_score_arrays<true, S, kSQ, kSK>(p, b, hh, query0, key0);
+        if (HasPrefetch<S>::value && it + 1 < total) {
+          int hn, in;
+          tile_of(it + 1, hn, in);
+          prefetch_score_arrays<true, S, kSQ, kSK>(p, b, hn, in + qw * kSQ, key0);
+        }
+      }
       const float* lse_b = sLse + buf * Br + qw * kSQ + (ln & 3) * 2;
       const float* delta_b = sDelta + buf * Br + qw * kSQ + (ln & 3) * 2;
 

@@ -150,6 +150,15 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       }
       cp_async_commit();
     }
+    {  // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
+      using S = typename Policy::Score;
+      if (it == 0) prefetch_score_arrays<true, S, Br, 16>(p, b, hh, i0, key_w);
+      if (HasPrefetch<S>::value && it + 1 < total) {
+        int hn, in;
+        tile_of(it + 1, hn, in);
+        prefetch_score_arrays<true, S, Br, 16>(p, b, hn, in, key_w);
+      }
+    }
     const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
     const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
     const int quad2 = (opaque(static_cast<int>(threadIdx.x)) & 3) * 2;  // this lane's query pair
@@ -211,7 +220,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         float2 lq = {0.f, 0.f};
         if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + (ch * kNC + n) * 8);
         if constexpr (Policy::Dropout::kOn) dropout_split(pt[ch * kNC + n], dpt[n], pol.dropout.scale);
-        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8);
+        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8,
+                kDSplit == 1 || dw == 0);  // with a d split every dw warp has the same dS^T: one adds dbias
       }
 
       // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).

@@ -89,6 +89,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const uint32_t sQ_u = smem_u32(sQ);
   const uint32_t sK_u = smem_u32(sK);
   const uint32_t sV_u = smem_u32(sV);
+  // (Mask/bias arrays: tile 0's rows of this warp; the loop asks for each next tile.)
+  prefetch_score_arrays<true, 16 * kM, Bc>(pol.score, q0 + row_w, (kt.end - 1) * Bc);
 
   for (int t = 0; t < n_tiles; ++t) {
     const int slot = t % kStages;
@@ -151,6 +153,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
 #pragma unroll
       for (int mi = 0; mi < kM; ++mi) pack_a<T>(pa[mi], s[mi]);
     }
+    // Mask/bias arrays: this warp's rows of tile t + 1 into L1 while P V and the next Q K^T run (here S is
+    // packed: fewer live registers than before Q K^T).
+    if (t + 1 < n_tiles) prefetch_score_arrays<true, 16 * kM, Bc>(pol.score, q0 + row_w, j0 - Bc);
 
     cp_async_wait<2 * kStages - 2>();  // V_t
     __syncthreads();

@@ -235,10 +235,12 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
 
 // The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
 // P^T (dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt).
-// lse_q: the tile's queries' lse (natural log), delta_q: their Delta.
+// lse_q: the tile's queries' lse (natural log), delta_q: their Delta. grad_owner: this warp gives the pairs'
+// dbias (false on the warps that recompute the same tile for other head-dim columns).
 template <class Score, class Factor>
 __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
-                                            float2 lse_q, const Score& score, int key0, int q0, const Factor& factor) {
+                                            float2 lse_q, const Score& score, int key0, int q0, bool grad_owner,
+                                            const Factor& factor) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -247,14 +249,16 @@ __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4]
     const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
     const float f = factor(pt[e], l2, query, key);
     const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
-    if constexpr (HasBiasGrad<Score>::value) score.add_dbias(dsc, query, key);
+    if constexpr (HasBiasGrad<Score>::value) {
+      if (grad_owner) score.add_dbias(dsc, query, key);
+    }
     ds[e] = dsc * f;
   }
 }
 
 template <class Score>
 __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
-                                        float2 lse_q, const Score& score, int key0, int q0) {
+                                        float2 lse_q, const Score& score, int key0, int q0, bool grad_owner = true) {
   if constexpr (Score::kIdentity) {
     ds[0] = pt[0] * (dpt[0] - delta_q.x);
     ds[1] = pt[1] * (dpt[1] - delta_q.y);
@@ -262,13 +266,13 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
     ds[3] = pt[3] * (dpt[3] - delta_q.y);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // no log2 and no ALiBi distance without a softcap
     if (score.softcapped())
-      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [&](float P, float l2, int q, int k) {
+      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
         return score.template ds_factor_as<true, true>(P, l2, q, k);
       });
     else
-      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [](float, float, int, int) { return 1.f; });
+      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [](float, float, int, int) { return 1.f; });
   } else {
-    ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, [&](float P, float l2, int q, int k) {
+    ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
       return score.template ds_factor<true>(P, l2, q, k);
     });
   }

@@ -298,10 +298,15 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
     const Range kt = tiles_covering(pol.mask.keys_of(r0, r0 + BR), BC);
 
+    prefetch_score_arrays<true, typename Policy::Score, BR, BC, THREADS>(p, b, h, r0, kt.begin * BC);
 #pragma unroll 1
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();
+        {  // Mask/bias arrays: the block's next key tile into L1, a whole step ahead (the first before the loop).
+            using S = typename Policy::Score;
+            if (j + 1 < kt.end) prefetch_score_arrays<true, S, BR, BC, THREADS>(p, b, h, r0, c0 + BC);
+        }
         if constexpr (Policy::Dropout::kOn) {
             // Z_ij into this thread's own dS slots while few registers are live (see portable_fwd).
 #pragma unroll 1

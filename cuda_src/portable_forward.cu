@@ -70,10 +70,16 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
     const Range kt = tiles_covering(Policy(p, seq).mask.keys_of(r0, r0 + BR), BC);
 
+    prefetch_score_arrays<true, typename Policy::Score, BR, BC, THREADS>(p, b, h, r0, kt.begin * BC);
 #pragma unroll 1
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
         __syncthreads();  // previous P V done with KVs and Ps
+        {  // Mask/bias arrays: the block's rows of the next key tile into L1, a whole step ahead (this tile's
+           // came with the previous step, the first before the loop).
+            using S = typename Policy::Score;
+            if (j + 1 < kt.end) prefetch_score_arrays<true, S, BR, BC, THREADS>(p, b, h, r0, c0 + BC);
+        }
         if constexpr (Policy::Dropout::kOn) {
             // Z_ij into this thread's own Ps slots before S is live: Philox's dozen registers inside the
             // softmax loop spilled the larger tiles.

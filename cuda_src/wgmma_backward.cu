@@ -157,6 +157,15 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       if (ahead < total) load_step(ahead, ahead % kStages);
       cp_async_commit();
     }
+    {  // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
+      using S = typename Policy::Score;
+      if (it == 0) prefetch_score_arrays<true, S, Br, 16>(p, b, hh, i0, key_w);
+      if (HasPrefetch<S>::value && it + 1 < total) {
+        int hn, in;
+        tile_of(it + 1, hn, in);
+        prefetch_score_arrays<true, S, Br, 16>(p, b, hn, in, key_w);
+      }
+    }
     const uint32_t q_u = sQ_u + buf * kQBytes;
     const uint32_t do_u = sdO_u + buf * kQBytes;
 

@@ -42,7 +42,19 @@ def _geometry(p: AttentionProblem, arrays: dict[str, tuple[tuple[int, ...], tupl
     """(B, H, N, D) views of named arrays given as (shape, byte strides, itemsize, base pointer % 16)."""
     b, strides, offsets = views_of({n: a[:3] for n, a in arrays.items()}, len(p.batch))
     inner = {n: a[1][-1] // a[2] for n, a in arrays.items() if n in SCORE_ARRAYS}
-    return Geometry(b, strides, offsets, _aligned(arrays), inner)
+    direct = "dbias" in arrays and owns_every_pair(*arrays["dbias"][:2])
+    return Geometry(b, strides, offsets, _aligned(arrays), inner, direct)
+
+
+def owns_every_pair(full: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Does a score-shaped array seen as ``full`` (its broadcast view: stride 0 where it broadcasts) give every
+    (b, h, q, k) of the problem an element of its own? Then nothing sums into its elements (dbias is stored)."""
+    return all(s != 0 or n == 1 for n, s in zip(full, strides))
+
+
+def dbias_direct(bias_shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    """dbias of a bias of this shape is stored directly (in the bias's dtype): it has the problem's full shape."""
+    return (1,) * (len(full) - len(bias_shape)) + tuple(bias_shape) == tuple(full)
 
 
 def _aligned(arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]]) -> bool:
@@ -300,9 +312,10 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     if deterministic and block_mask is not None:  # ordered dQ turns assume every mask's key tiles form one run
         raise NotImplementedError("deterministic=True with block_mask is not supported yet: the ordered dQ turns "
                                   "assume the key tiles that visit a query tile form one run (built-in masks)")
-    if deterministic and bias_grad:  # dbias is summed by float atomics (ArrayScore.add_dbias)
-        raise NotImplementedError("deterministic=True with bias_grad=True is not supported yet: dbias is accumulated "
-                                  "with float atomics, whose order varies from run to run")  # fmt: skip
+    if deterministic and bias_grad and not _stores_dbias(q, k, bias):  # (ArrayScore.add_dbias)
+        raise NotImplementedError("deterministic=True with bias_grad=True is not supported yet for a broadcast bias: "
+                                  "its dbias is accumulated with float atomics, whose order varies from run to run "
+                                  "(a bias of the full (*batch, Hq, Nq, Nk) shape is stored, and reproducible)")  # fmt: skip
 
     key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
            _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), _key_of(dropout_p),
@@ -317,8 +330,9 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
                            score_mod_grad=score_mod_grad, aux=aux, block_mask=block_mask)  # fmt: skip
         _flex_check(p)
         outputs = {"dq": (q.shape, p.dtype), "dk": (k.shape, p.dtype), "dv": (v.shape, p.dtype)}
-        if bias_grad:  # the f32 accumulator, contiguous in the bias's own shape (broadcast dims: stride 0)
-            outputs["dbias"] = (bias.shape, _FLOAT32)
+        if bias_grad:  # contiguous in the bias's own shape (broadcast dims: stride 0), see _dbias_buffer
+            direct = dbias_direct(bias.shape, score_shape(p))
+            outputs["dbias"] = (bias.shape, np.dtype(bias.dtype) if direct else _FLOAT32)
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
         prep = _prepare(p, kernel, inputs, outputs,
                         lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra)
@@ -327,9 +341,9 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     dq, dk, dv = _empty_outputs(prep.outputs)
     dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
-    dbias = cupy.zeros(bias.shape, dtype=_FLOAT32) if bias_grad else None  # atomics add into it
+    dbias = _dbias_buffer(bias, p, prep.geometry.dbias_direct) if bias_grad else None
     if prep.plan is None:
-        for g in (dq, dk, dv):
+        for g in (dq, dk, dv, *(() if dbias is None else (dbias,))):
             g.fill(0)
         if dsinks is not None and p.nq and p.batch_size:  # every row is its sink alone: P_sink = 1
             delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1)
@@ -347,6 +361,27 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
     if dsinks is not None and deterministic:  # the kernels' per-row atomics would add in any order
         dsinks[...] = _dsinks(do, o, lse, sinks, p.hq)
     return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))
+
+
+def _stores_dbias(q: Any, k: Any, bias: Any) -> bool:
+    """Before any check: would this bias's gradient be stored (not summed by atomics)? (False when the shapes are
+    wrong: the checks then say why.)"""
+    if bias is None or q.ndim < 3 or k.ndim < 3:
+        return False
+    return dbias_direct(tuple(bias.shape), (*q.shape[:-3], q.shape[-3], q.shape[-2], k.shape[-2]))
+
+
+def _dbias_buffer(bias: Any, p: AttentionProblem, direct: bool) -> Any:
+    """What the kernels write dbias into. Direct (every pair owns its element): the output itself in the bias's
+    dtype, zeroed only where the built-in mask skips whole tiles (their pairs are never visited; every pair of a
+    visited tile is stored, zeros included). Else a zeroed float32 accumulator that atomics add into (converted
+    to the bias's dtype afterwards)."""
+    import cupy
+
+    if not direct:
+        return cupy.zeros(bias.shape, dtype=_FLOAT32)
+    skips_tiles = p.variant.causal or p.variant.window is not None
+    return (cupy.zeros if skips_tiles else cupy.empty)(bias.shape, dtype=bias.dtype)
 
 
 def _dsinks(do: Any, o: Any, lse: Any, sinks: Any, hq: int) -> Any:
@@ -385,10 +420,24 @@ def _run_into(family: Any, plan_of: str, arrays: dict[str, Any], p: AttentionPro
     if family.NEEDS_ALIGNED_ROWS and not g.aligned:
         raise ValueError(f"the {family.NAME} family needs 16-byte aligned rows")
     _flex_check(p)
+    if "dbias" in extra:
+        _check_dbias_buffer(extra["dbias"], extra.get("bias"), g.dbias_direct)
     seed = options.pop("dropout_seed", None)
     ptrs = {n: x.data.ptr for n, x in {**arrays, **extra}.items()}
     plan = _flex_plan(p, getattr(family, plan_of)(p, g, DeviceLimits.current(), **options))
     run(plan, g, ptrs, _seed_of(p, seed))
+
+
+def _check_dbias_buffer(dbias: Any, bias: Any, direct: bool) -> None:
+    """A caller's dbias buffer must be what the kernels will write (see _dbias_buffer): the bias's dtype when it
+    has the problem's full shape, float32 (an accumulator, zeroed by the caller) when it broadcasts."""
+    if bias is None:
+        raise ValueError("dbias needs a bias")
+    want = np.dtype(bias.dtype) if direct else _FLOAT32
+    if np.dtype(dbias.dtype) != want or tuple(dbias.shape) != tuple(bias.shape):
+        kind = "full-shape bias: the gradient itself" if direct else "broadcast bias: a float32 accumulator"
+        raise ValueError(f"dbias must have shape {tuple(bias.shape)} and dtype {want} ({kind}); "
+                         f"got {tuple(dbias.shape)} {dbias.dtype}")  # fmt: skip
 
 
 def backward_into(
@@ -396,6 +445,8 @@ def backward_into(
     variant_arrays: dict[str, Any] | None = None, **options: Any,
 ) -> None:  # fmt: skip
     """Run ``family``'s backward into the given dq, dk, dv (see ``forward_into``); ``variant_arrays`` may also
-    hold the gradients' accumulators (dsinks, dbias: float32, zeroed by the caller)."""
+    hold the gradients' buffers: dsinks (float32, zeroed by the caller) and dbias (the bias's shape; the bias's
+    dtype when it has the full (*batch, Hq, Nq, Nk) shape, which every visited pair is stored into, else a
+    float32 accumulator zeroed by the caller; see _dbias_buffer)."""
     arrays = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     _run_into(family, "backward_plan", arrays, p, variant_arrays or {}, options)

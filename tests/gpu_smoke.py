@@ -37,9 +37,14 @@ def main() -> int:
             # with its gradient (the atomics address the bias's own shape).
             mask = cupy.asarray(rng.random((1, 1, 1, nk)) < 0.8)
             bias = cupy.asarray(rng.standard_normal((hq, 1, nk)).astype(dtype))
+            # Full-shape ones too: their rows are prefetched a tile ahead, and dbias is stored into the output
+            # pair by pair (left uninitialised where no tile is skipped: initcheck sees any element not written).
+            full_mask = cupy.asarray(rng.random((1, hq, nq, nk)) < 0.8)
+            full_bias = cupy.asarray(rng.standard_normal((1, hq, nq, nk)).astype(dtype))
             for label, kw in (("plain", {}), ("variants", dict(window_size=(9, 5), softcap=20.0,
                                                                 alibi_slopes=slopes, sinks=sinks)),
-                              ("masks", dict(mask=mask, bias=bias, softcap=20.0))):  # fmt: skip
+                              ("masks", dict(mask=mask, bias=bias, softcap=20.0)),
+                              ("full masks", dict(mask=full_mask, bias=full_bias))):  # fmt: skip
                 o, lse = cupyflash.attention_forward(q, k, v, causal=causal, kernel=kernel, **kw)
                 bkw = dict(kw, bias_grad=True) if "bias" in kw else kw
                 grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=causal, kernel=kernel, **bkw)

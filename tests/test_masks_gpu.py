@@ -2,8 +2,10 @@
 the float64 NumPy reference.
 
 Each case reaches one family explicitly: through the family's entry point with NaN-poisoned outputs (o, lse, dq,
-dk, dv; dbias and dsinks are zeroed accumulators by design), and once through the public API
-(``kernel=...``), which also covers the host cache and dbias's conversion to the bias's dtype.
+dk, dv; dsinks and a broadcast bias's dbias are zeroed accumulators by design; a full-shape bias's dbias is the
+output itself, stored pair by pair: NaN-poisoned too unless the built-in mask skips tiles, whose pairs the
+caller zeroes), and once through the public API (``kernel=...``), which also covers the host cache and dbias's
+conversion to the bias's dtype.
 
 Bounds (as tests/test_variants_gpu.py, issue 13/17 "Accuracy"): float32 relative error <= 1e-5 (o) and 1e-4 (dq,
 dk, dv, dsinks, dbias); float16/bfloat16 FlashAttention's criterion against a same-dtype naive implementation
@@ -55,6 +57,12 @@ CASES = [
     # mask only for float32 (its kernels are the float-bias ones: no extra compile); a (Hq, 1, Nk) bias otherwise
     ("causal-full-mask-head-key-bias-mqa", (2, 4, 1, 97, 97),
      dict(causal=True, mask=(1, 4, 97, 97), mask_p=0.6, bias=(4, 1, 97), no_bias_for="float32")),
+    # Full-shape biases: dbias stored in the bias's dtype, one element per pair (no atomics, no accumulator).
+    ("full-bias-full-mask", (2, 4, 2, 150, 170), dict(mask=(2, 4, 150, 170), mask_p=0.85, bias=(2, 4, 150, 170))),
+    ("causal-nq>nk-full-bias-keyless-rows", (2, 4, 2, 130, 110),
+     dict(causal=True, mask=(2, 4, 130, 110), keyless=(100, 129), bias=(2, 4, 130, 110))),
+    ("window-softcap-alibi-full-bias-b1", (1, 2, 1, 200, 180),
+     dict(window=(32, 16), softcap=30.0, alibi=True, bias=(1, 2, 200, 180))),
 ]  # fmt: skip
 
 
@@ -73,7 +81,7 @@ def masks_params():
     return out
 
 
-def make_inputs(rng, dtype_name, shape, spec):
+def make_inputs(rng, dtype_name, shape, spec, D=D):
     b, hq, hk, nq, nk = shape
     dtype = DTYPES[dtype_name]
     q = rng.standard_normal((b, hq, nq, D)).astype(dtype)
@@ -174,11 +182,20 @@ def run_family(kernel, q, k, v, do, causal, kw):
         acc["dsinks"] = cupy.zeros((q.shape[-3],), np.float32)
         extra.append(acc["dsinks"])
     if kw["bias"] is not None:
-        acc["dbias"] = cupy.zeros(kw["bias"].shape, np.float32)
+        acc["dbias"] = dbias_buffer(kw["bias"], (*q.shape[:-1], k.shape[-2]), causal or kw["window_size"] is not None)
         extra.append(acc["dbias"])
     pb = check_backward(dod, qd, kd, vd, o, lse, causal=causal, bias_grad=kw["bias"] is not None, **kwd)
     fam.backward(dod, qd, kd, vd, o, lse, dq, dk, dv, pb, variant_arrays=acc)
     return o, lse, [dq, dk, dv, *extra]
+
+
+def dbias_buffer(bias, full, skips_tiles):
+    """dbias as a caller of a family's backward gives it: for a full-shape bias the output itself in the bias's
+    dtype, NaN-poisoned (every pair of every visited tile is stored) or zeroed where the built-in mask skips whole
+    tiles; for a broadcast bias a zeroed float32 accumulator."""
+    if (1,) * (len(full) - bias.ndim) + bias.shape != tuple(full):
+        return cupy.zeros(bias.shape, np.float32)
+    return cupy.zeros(bias.shape, bias.dtype) if skips_tiles else _poisoned(bias.shape, bias.dtype)
 
 
 def check(kernel, dtype_name, q, k, v, do, causal, kw, o, lse, grads):
@@ -239,3 +256,38 @@ def test_public_api_strided_bias_and_mask(kernel, dtype_name, rng):
                                              bias_grad=True)  # fmt: skip
         assert len(grads) == 4 and grads[3].dtype == biasd.dtype and grads[3].shape == biasd.shape
     check(kernel, dtype_name, q, k, v, do, causal, kw, o, lse, grads)
+
+
+@pytest.mark.parametrize("kernel,dtype_name", family_cases())
+def test_public_api_full_bias_stored_and_deterministic(kernel, dtype_name, rng):
+    """A full-shape bias through the public API: dbias comes back in the bias's dtype and shape straight from the
+    kernels (stored per pair, no atomics), so deterministic=True accepts it and two runs agree bit for bit; a
+    broadcast bias with deterministic=True is still refused (its dbias sums with atomics)."""
+    import cupyflash
+
+    shape, spec = (2, 4, 2, 140, 150), dict(mask=(2, 4, 140, 150), mask_p=0.8, bias=(2, 4, 140, 150))
+    q, k, v, do, causal, kw = make_inputs(rng, dtype_name, shape, spec)
+    qd, kd, vd, dod, maskd, biasd = (cupy.asarray(x) for x in (q, k, v, do, kw["mask"], kw["bias"]))
+    o, lse = cupyflash.attention_forward(qd, kd, vd, causal, kernel=kernel, mask=maskd, bias=biasd)
+    runs = [cupyflash.attention_backward(dod, qd, kd, vd, o, lse, causal, kernel=kernel, mask=maskd, bias=biasd,
+                                         bias_grad=True, deterministic=True) for _ in range(2)]  # fmt: skip
+    assert runs[0][3].dtype == biasd.dtype and runs[0][3].shape == biasd.shape
+    for a, b in zip(*runs):
+        assert np.array_equal(a.get().view(np.uint8), b.get().view(np.uint8))
+    check(kernel, dtype_name, q, k, v, do, causal, kw, o, lse, runs[0])
+    with pytest.raises(NotImplementedError, match="broadcast bias"):
+        cupyflash.attention_backward(dod, qd, kd, vd, o, lse, causal, kernel=kernel, mask=maskd, bias=biasd[0],
+                                     bias_grad=True, deterministic=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16"])
+@pytest.mark.parametrize("bias_shape", [(3, 100, 120), (2, 3, 100, 120)], ids=["broadcast", "full"])
+def test_mma_d_split_adds_dbias_once(dtype_name, bias_shape, rng):
+    """The mma key-major backward at D = 192 splits dK/dV's columns over 2 warps that recompute the same dS^T: only
+    one of them gives dbias (atomics would otherwise add it twice)."""
+    from cupyflash.plans.mma import BACKWARD_CONFIGS
+
+    assert BACKWARD_CONFIGS[192].d_split > 1  # the path this test is for
+    q, k, v, do, causal, kw = make_inputs(rng, dtype_name, (2, 3, 3, 100, 120), dict(bias=bias_shape), D=192)
+    o, lse, grads = run_family("mma", q, k, v, do, causal, kw)
+    check("mma", dtype_name, q, k, v, do, causal, kw, o, lse, grads)

@@ -43,6 +43,9 @@ class Geometry:
     #: Score-shaped arrays (mask, bias, dbias; issue 17): the element stride of their last (key) axis, which
     #: may be anything (0 where the array broadcasts along the keys).
     inner: dict[str, int] = field(default_factory=dict)
+    #: dbias has an element of its own for every (b, h, q, k) of the problem (no broadcast dim): the kernels store
+    #: dS into it in the bias's dtype instead of adding into a float32 accumulator.
+    dbias_direct: bool = False
 
 #: Arrays shaped like the scores, (*batch, Hq, Nq, Nk) by broadcasting: their params get (b, h, q, k) strides.
 SCORE_ARRAYS = ("mask", "bias", "dbias")
@@ -105,6 +108,8 @@ def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: 
     for name in SCORE_ARRAYS:
         if name in g.strides:
             fields[f"{name}_s"] = (*g.strides[name], g.inner[name])
+    if "dbias" in g.strides:
+        fields["dbias_direct"] = int(g.dbias_direct)
     if "alibi" in g.strides:
         fields["alibi_sb"] = g.strides["alibi"][0]
     fields.update(p.variant.params(p.scale, p.nq, p.nk))

@@ -73,6 +73,8 @@ PARAMS = np.dtype(
         ("bm_nkb", "<i4"),
         ("bm_bb", "<i4"),
         ("bm_hb", "<i4"),
+        # dbias stores (issue 17 speed): 1 = dbias is the output, one element per pair (no atomics)
+        ("dbias_direct", "<i4"),
     ],
     align=True,
 )
