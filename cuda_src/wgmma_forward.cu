@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     wgmma::fence_proxy_async();  // ...are visible to the tensor cores' reads...
     __syncthreads();             // ...and to every warpgroup
     if (t + 1 < n_tiles) load_kv(t + 1, (t + 1) % kStages);
-    // Mask/bias arrays: this warp's rows of tile t + 1 into L1, a whole step ahead of their loads.
-    if (t + 1 < n_tiles) prefetch_score_arrays<true, 16, Bc>(pol.score, q0 + row_w, (kt.end - 2 - t) * Bc);
+    // (No L1 prefetch of the next tile's mask/bias rows here, unlike the mma forward: measured on an H100 it
+    // took the D = 128 bias forward from 0.98-1.03x to 0.73-0.77x of SDPA EFFICIENT; benchmarks/NOTES.md.)
   };
   // S_t = Q_i K_t^T, issued (one m64 x Bc wgmma per k16 step of the head dim), not waited for.
   auto issue_s = [&](float (&s)[kNT][4], int t) {
@@ -154,7 +154,6 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   // so that every step in the loop has the same wgmma groups (with a branch inside, ptxas cannot tell
   // which group wait<1> retires and serialises all of them).
   if (n_tiles > 0) {
-    prefetch_score_arrays<true, 16, Bc>(pol.score, q0 + row_w, (kt.end - 1) * Bc);  // tile 0's mask/bias rows
     {
       float s[kNT][4], alpha[2];
       await_tile(0);
