@@ -311,7 +311,5 @@ def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any,
                 prep.write_const(launch.buffer, int(cache_seqlens))
             launch.fire(stream)
         if prep.merge is not None:
-            m = prep.merge.args
-            m.o_parts, m.lse_parts, m.o, m.lse, m.sinks = o_part, lse_part, o_ptr, lse_ptr, sinks_ptr
-            prep.merge.fire(stream)
+            prep.merge.fire(stream, (o_part, lse_part, o_ptr, lse_ptr, sinks_ptr))
     return o, lse

@@ -493,8 +493,8 @@ def test_host_path_fills_decode_params(monkeypatch):
 
     seen, merges = [], []
     monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
-    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream: merges.append(dict(
-        (f, getattr(self.args, f)) for f, _ in self.args._fields_)))  # fmt: skip
+    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream, pointers: merges.append(
+        dict(zip(decode.MERGE_ARGS, (*pointers, *self.sizes)))))  # fmt: skip
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
@@ -562,7 +562,7 @@ def test_host_path_int_seqlens_and_rotary(monkeypatch):
 
     seen = []
     monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
-    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream: None)
+    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream, pointers: None)
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
@@ -638,3 +638,21 @@ def test_bench_suite_decode_arguments():
     assert _decode_args(["--suite", "decode", "--json", "x.json"]) == ["--json", "x.json"]
     assert _decode_args(["--suite=decode", "--quick"]) == ["--quick"]
     assert _decode_args(["--suite", "grid"]) is None
+
+
+@needs_nvrtc
+def test_merge_launch_packs_what_the_kernel_declares():
+    """MergeLaunch's argument codes (build.ArgsLaunch) match merge_states' parameters one by one, in size."""
+    import struct
+
+    from test_launch_abi import _ptx
+
+    from cupyflash.kernels import decode
+
+    name = decode.merge_name(np.dtype(np.float32), np.dtype(np.float16))
+    ptx, lowered = _ptx(decode.SOURCE, [name])
+    head = ptx[ptx.index(f".entry {lowered[name]}(") :]
+    head = head[: head.index(")")]
+    want = [int(m.group(1)) // 8 for m in re.finditer(r"\.param \.[a-z]+?(\d+) ", head)]
+    assert [struct.calcsize(c) for c in decode._MERGE_CODES] == want
+    assert len(decode.MERGE_ARGS) == len(want)

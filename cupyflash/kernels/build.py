@@ -145,12 +145,6 @@ def set_shared_limit(fn, nbytes: int) -> None:
     _shared_limit[id(fn)] = nbytes
 
 
-def launch(fn, grid: tuple[int, int, int], block: tuple[int, int, int], args: tuple, shared_bytes: int = 0) -> None:
-    """Launch with positional arguments on the current CuPy stream (the linear-attention kernels)."""
-    set_shared_limit(fn, shared_bytes)
-    fn(grid, block, args, shared_mem=shared_bytes)
-
-
 def launch_plan(plan, args: tuple) -> None:
     """Launch one ``plans.LaunchPlan`` (its instantiation, grid, block and shared bytes) with positional
     arguments: CuPy arrays (passed as pointers) and NumPy scalars (int32, int64, float32), packed by
@@ -195,26 +189,26 @@ def _function_ptr(plan) -> int:
     return ptr
 
 
-class Launch:
-    """One kernel launch made ready for repeated calls: its function, geometry and a private copy of the
-    ``AttentionParams`` bytes whose leading pointer block ``write`` rewrites per call. A repeated call
-    then costs one ``struct.pack_into`` and one driver call (no buffers built, nothing converted)."""
+class _Ready:
+    """A kernel launch made ready for repeated calls: its plan, an argument buffer with the parameter-pointer
+    array into it (built once), and the function, resolved (compiled, limits raised) at the first launch on
+    the device of the plan. Queuing it is one driver call; the driver copies the arguments during the call,
+    so the buffer may be rewritten at once."""
 
     __slots__ = ("plan", "buffer", "_argv", "_argv_ptr", "_fn", "_dims")
 
-    def __init__(self, plan, params: bytes) -> None:
+    def __init__(self, plan, buffer, offsets: list[int]) -> None:
         import ctypes
 
         self.plan = plan
-        self.buffer = ctypes.create_string_buffer(bytes(params), len(params))
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))  # the kernel's one argument
+        self.buffer = buffer
+        base = ctypes.addressof(buffer)
+        self._argv = (ctypes.c_void_p * max(1, len(offsets)))(*(base + at for at in offsets))
         self._argv_ptr = ctypes.addressof(self._argv)
-        self._fn = 0  # resolved (compiled, limits raised) at the first launch, on the device of the plan
+        self._fn = 0
         self._dims = (*plan.grid, *plan.block, plan.shared_bytes)
 
-    def fire(self, stream: int) -> None:
-        """Queue the kernel on ``stream`` with the buffer as it is now (the driver copies it during the
-        call, so the next ``write`` may follow at once)."""
+    def _queue(self, stream: int) -> None:
         import cupy
 
         if not self._fn:
@@ -222,26 +216,37 @@ class Launch:
         cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
 
 
-class ArgsLaunch:
-    """A launch with positional arguments packed into one buffer laid out as the C ABI lays out the kernel's
-    parameters (``struct``'s native alignment), and the argument-pointer array into it built once."""
+class Launch(_Ready):
+    """An attention kernel's launch: one parameter, a private copy of the ``AttentionParams`` bytes whose
+    pointer fields the caller rewrites per call. A repeated call then costs one ``struct.pack_into`` and one
+    driver call (no buffers built, nothing converted)."""
 
-    __slots__ = ("plan", "_struct", "buffer", "_argv", "_argv_ptr", "_fn", "_dims", "_arrays")
+    __slots__ = ()
+
+    def __init__(self, plan, params: bytes) -> None:
+        import ctypes
+
+        super().__init__(plan, ctypes.create_string_buffer(bytes(params), len(params)), [0])
+
+    def fire(self, stream: int) -> None:
+        """Queue the kernel on ``stream`` with the buffer as it is now."""
+        self._queue(stream)
+
+
+class ArgsLaunch(_Ready):
+    """A launch with positional arguments (``struct`` codes: "P" a CuPy array's pointer, "i", "q", "f", "I", "Q"
+    scalars) packed into one buffer laid out as the C ABI lays out the kernel's parameters (native alignment)."""
+
+    __slots__ = ("_struct", "_arrays")
 
     def __init__(self, plan, codes: str) -> None:
         import ctypes
         import struct
 
-        self.plan = plan
         self._struct = struct.Struct("@" + codes)
-        self.buffer = ctypes.create_string_buffer(max(1, self._struct.size))
-        base = ctypes.addressof(self.buffer)
         # Parameter i starts where native alignment puts it: the size of the prefix with it, less its own size.
         offsets = [struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + c) for i, c in enumerate(codes)]
-        self._argv = (ctypes.c_void_p * max(1, len(codes)))(*(base + at for at in offsets))
-        self._argv_ptr = ctypes.addressof(self._argv)
-        self._fn = 0
-        self._dims = (*plan.grid, *plan.block, plan.shared_bytes)
+        super().__init__(plan, ctypes.create_string_buffer(max(1, self._struct.size)), offsets)
         self._arrays = tuple(i for i, c in enumerate(codes) if c == "P")
 
     def pack(self, args: tuple) -> None:
@@ -251,13 +256,9 @@ class ArgsLaunch:
         self._struct.pack_into(self.buffer, 0, *values)
 
     def fire(self, stream: int, args: tuple) -> None:
-        """Pack ``args`` and queue the kernel (the driver copies the arguments during the call)."""
-        import cupy
-
+        """Pack ``args`` and queue the kernel."""
         self.pack(args)
-        if not self._fn:
-            self._fn = _function_ptr(self.plan)
-        cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
+        self._queue(stream)
 
 
 def _arg_codes() -> dict[type, str]:

@@ -7,7 +7,6 @@ other kernel's argument, and the variant policies are reused as they are.
 """
 from __future__ import annotations
 
-import ctypes
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -251,38 +250,30 @@ def write_seqlen_const(buffer: Any, value: int) -> None:
     _INT32.pack_into(buffer, SEQLEN_CONST_AT, value)
 
 
-class _MergeArgs(ctypes.Structure):
-    """merge_states' parameters, in order, as the kernel's parameter array points at them."""
+#: merge_states' parameters in order: the five pointers, then the sizes (MergeLaunch.sizes).
+MERGE_ARGS = ("o_parts", "lse_parts", "o", "lse", "sinks", "rows", "parts", "d", "nq", "hq")
+_MERGE_CODES = "QQQQQqiiii"  # build.ArgsLaunch codes of MERGE_ARGS
 
-    _fields_ = [*((n, ctypes.c_uint64) for n in ("o_parts", "lse_parts", "o", "lse", "sinks")),
-                ("rows", ctypes.c_int64), *((n, ctypes.c_int32) for n in ("parts", "d", "nq", "hq"))]
+
+def merge_plan(tin: np.dtype, tout: np.dtype, rows: int) -> LaunchPlan:
+    """merge_states over ``rows`` dense rows: one warp per row."""
+    return LaunchPlan(SOURCE, merge_name(tin, tout), (cdiv(rows, THREADS // 32), 1, 1), (THREADS, 1, 1), 0)
 
 
 class MergeLaunch:
-    """``merge_states`` over a split-KV workspace made ready for repeated calls (as ``build.Launch`` is for the
-    struct-argument kernels): its sizes set once, the pointers (``o_parts``, ``lse_parts``, ``o``, ``lse``,
-    ``sinks``) assigned per call, one driver call per launch."""
+    """``merge_states`` over a split-KV workspace made ready for repeated calls: its plan and sizes fixed once,
+    the five pointers given per call and packed with the sizes by ``build.ArgsLaunch``."""
 
-    __slots__ = ("plan", "args", "_argv", "_argv_ptr", "_fn", "_dims")
+    __slots__ = ("plan", "sizes", "_launch")
 
     def __init__(self, tin: np.dtype, tout: np.dtype, rows: int, parts: int, d: int, nq: int, hq: int) -> None:
-        warps = THREADS // 32
-        self.plan = LaunchPlan(SOURCE, merge_name(tin, tout), (cdiv(rows, warps), 1, 1), (THREADS, 1, 1), 0)
-        self.args = _MergeArgs(rows=rows, parts=parts, d=d, nq=nq, hq=hq)
-        base = ctypes.addressof(self.args)
-        offsets = [getattr(_MergeArgs, f).offset for f, _ in _MergeArgs._fields_]
-        self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
-        self._argv_ptr = ctypes.addressof(self._argv)
-        self._fn = 0
-        self._dims = (*self.plan.grid, *self.plan.block, 0)
+        self.plan = merge_plan(tin, tout, rows)
+        self.sizes = (np.int64(rows), np.int32(parts), np.int32(d), np.int32(nq), np.int32(hq))
+        self._launch = build.ArgsLaunch(self.plan, _MERGE_CODES)
 
-    def fire(self, stream: int) -> None:
-        """Queue the merge on ``stream`` with the arguments as they are now (the driver copies them)."""
-        import cupy
-
-        if not self._fn:
-            self._fn = build._function_ptr(self.plan)
-        cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
+    def fire(self, stream: int, pointers: tuple[int, int, int, int, int]) -> None:
+        """Queue the merge on ``stream``; ``pointers``: (o_parts, lse_parts, o, lse, sinks or 0)."""
+        self._launch.fire(stream, (*pointers, *self.sizes))
 
 
 # ---------------------------------------------------------------------------- launches
@@ -293,8 +284,6 @@ def launch_merge(o_parts: Any, lse_parts: Any, o: Any, lse: Any, sinks: Any, row
     """merge_states over dense (parts, rows, d) / (parts, rows) into dense o (rows, d) and lse (rows,)."""
     if rows == 0:
         return
-    fn = build.get_function(SOURCE, merge_name(o_parts.dtype, o.dtype))
-    warps = THREADS // 32
     args = (o_parts, lse_parts, o, lse, np.uint64(0 if sinks is None else sinks.data.ptr), np.int64(rows),
             np.int32(parts), np.int32(d), np.int32(nq), np.int32(hq))  # fmt: skip
-    build.launch(fn, (cdiv(rows, warps), 1, 1), (THREADS, 1, 1), args)
+    build.launch_plan(merge_plan(o_parts.dtype, o.dtype, rows), args)
