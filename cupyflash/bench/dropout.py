@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .impls import Unavailable
-from .paired import Ready, Row, cupy_clock, no_context, refused, torch_clock
+from .paired import Ready, Row, attention_inputs, cupy_clock, no_context, refused, torch_clock
 from .shapes import Shape
 
 DROPOUT_P = 0.1
@@ -50,14 +50,7 @@ def plan_rows(shapes: Sequence[Shape], passes: Sequence[str], kernels: Sequence[
 
 
 def inputs(shape: Shape, seed: int) -> dict[str, Any]:
-    import cupy
-
-    from .device import cupy_dtype
-
-    rng = cupy.random.default_rng(seed)
-    dims = (shape.b, shape.h, shape.n, shape.d)
-    dt = cupy_dtype(shape.dtype)
-    return {n: rng.standard_normal(dims, dtype=cupy.float32).astype(dt) for n in ("q", "k", "v", "do")}
+    return attention_inputs(shape, seed)[1]
 
 
 def make(row: Row, impl: str, x: dict[str, Any]) -> Ready:

@@ -19,7 +19,7 @@ import itertools
 from typing import Any, Sequence
 
 from .impls import Unavailable
-from .paired import Ready, Row, cupy_clock, no_context, refused, torch_clock
+from .paired import Ready, Row, attention_inputs, cupy_clock, no_context, refused, torch_clock
 from .shapes import Shape
 
 DOCS = 8
@@ -46,12 +46,7 @@ def inputs(shape: Shape, seed: int) -> dict[str, Any]:
     import cupy
     import numpy as np
 
-    from .device import cupy_dtype
-
-    rng = cupy.random.default_rng(seed)
-    dt = cupy_dtype(shape.dtype)
-    dims = (shape.b, shape.h, shape.n, shape.d)
-    x = {n: rng.standard_normal(dims, dtype=cupy.float32).astype(dt) for n in ("q", "k", "v", "do")}
+    _, x = attention_inputs(shape, seed)
     host = np.random.default_rng(seed)
     cuts = np.sort(host.choice(np.arange(1, shape.n), DOCS - 1, replace=False))
     doc = np.searchsorted(cuts, np.arange(shape.n), side="right").astype(np.int32)

@@ -21,7 +21,7 @@ import contextlib
 from typing import Any, Sequence
 
 from .impls import Unavailable
-from .paired import Ready, Row, cupy_clock, no_context, refused, torch_clock
+from .paired import Ready, Row, attention_inputs, cupy_clock, no_context, refused, torch_clock
 from .shapes import Shape
 
 KEEP = 0.9  # the bool mask's density
@@ -41,14 +41,9 @@ def plan_rows(shapes: Sequence[Shape], passes: Sequence[str], kernel: str, sdpa:
 def inputs(shape: Shape, seed: int) -> dict[str, Any]:
     import cupy
 
-    from .device import cupy_dtype
-
-    rng = cupy.random.default_rng(seed)
-    dt = cupy_dtype(shape.dtype)
-    dims = (shape.b, shape.h, shape.n, shape.d)
-    x = {n: rng.standard_normal(dims, dtype=cupy.float32).astype(dt) for n in ("q", "k", "v", "do")}
+    rng, x = attention_inputs(shape, seed)
     scores = (1, shape.h, shape.n, shape.n)
-    x["bias"] = rng.standard_normal(scores, dtype=cupy.float32).astype(dt)
+    x["bias"] = rng.standard_normal(scores, dtype=cupy.float32).astype(x["q"].dtype)
     x["mask"] = rng.random(scores, dtype=cupy.float32) < KEEP
     return x
 

@@ -179,3 +179,15 @@ def format_table(records: Sequence[Record], rows: Sequence[Row], names: dict[str
 
     rule = "|" + "|".join("-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([fmt(header), rule, *(fmt(b) for b in body)] + ([""] + notes if notes else []))
+
+
+def attention_inputs(shape: Shape, seed: int) -> tuple[Any, dict[str, Any]]:
+    """Fresh random q, k, v and do of (B, H, N, D) in the shape's dtype, and the CuPy generator that made
+    them (for a suite's own extra inputs)."""
+    import cupy
+
+    from .device import cupy_dtype
+
+    rng = cupy.random.default_rng(seed)
+    dims, dt = (shape.b, shape.h, shape.n, shape.d), cupy_dtype(shape.dtype)
+    return rng, {n: rng.standard_normal(dims, dtype=cupy.float32).astype(dt) for n in ("q", "k", "v", "do")}

@@ -119,12 +119,9 @@ def median_ms(call: Callable[[], Any], clock: timing.Clock,
 def inputs(shape: Shape, seed: int) -> dict[str, Any]:
     import cupy
 
-    from .device import cupy_dtype
+    from .paired import attention_inputs
 
-    rng = cupy.random.default_rng(seed)
-    dims = (shape.b, shape.h, shape.n, shape.d)
-    x = {n: rng.standard_normal(dims, dtype=cupy.float32).astype(cupy_dtype(shape.dtype)) for n in "qkv"}
-    x["do"] = rng.standard_normal(dims, dtype=cupy.float32).astype(cupy_dtype(shape.dtype))
+    rng, x = attention_inputs(shape, seed)
     h = np.arange(1, shape.h + 1)
     x["slopes"] = cupy.asarray(2.0 ** (-8.0 * h / shape.h), dtype=cupy.float32)  # ALiBi's geometric slopes
     x["sinks"] = rng.standard_normal(shape.h, dtype=cupy.float32)
