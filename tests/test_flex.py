@@ -16,6 +16,7 @@ from cupyflash import flex, reference
 from cupyflash.flex import SnippetError
 from cupyflash.validation import check_attention, check_backward
 from test_compile import NVRTC_REASON
+from test_launch_abi import planned  # noqa: F401  (a fixture: launches recorded, H100 limits)
 
 needs_nvrtc = pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
 
@@ -153,31 +154,16 @@ def test_unknown_names_are_compile_errors(kind, text, words):
 
 
 @needs_nvrtc
-def test_launches_compile_from_the_generated_source(monkeypatch):
+def test_launches_compile_from_the_generated_source(planned):
     """The user-policy launches of every family are retargeted onto the snippets' source; the others keep theirs,
     and the aux strides, extents and scalars are in the params."""
     from test_launch_abi import _empty
 
-    import types
-
-    import cupy
-
-    from cupyflash import plans
-    from cupyflash.kernels import build, dispatch, family
+    from cupyflash import _dtypes
+    from cupyflash.kernels import build, dispatch
     from cupyflash.kernels.params import PARAMS
 
-    seen, host = [], []
-
-    def allocate(nbytes):
-        host.append(_empty((nbytes,), np.uint8))
-        return types.SimpleNamespace(ptr=host[-1].ctypes.data)
-
-    monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
-    monkeypatch.setattr(family, "allocate", allocate)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
-    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, value, nbytes, stream: None)
-    monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
-    from cupyflash import _dtypes
+    seen = planned  # launches recorded, on H100 limits (test_launch_abi's fixture)
 
     for name, dt in (("portable", np.dtype(np.float32)), ("mma", _dtypes.FLOAT16), ("wgmma", _dtypes.BFLOAT16)):
         seen.clear()

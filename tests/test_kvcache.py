@@ -483,10 +483,11 @@ def test_decode_kernels_take_one_struct():
         assert len(params) == 1 and int(params[0][1]) == decode.DECODE_PARAMS.itemsize, f"{name}: {head}"
 
 
-def test_host_path_fills_decode_params(monkeypatch):
-    """The CUDA host path on host stand-ins: launches recorded, the struct decoded field by field."""
+def _host_stand_ins(monkeypatch) -> tuple[list, list]:
+    """The KV-cache host path on host stand-ins (H100 limits, host arrays): the struct-argument launches recorded
+    as (plan, argument bytes), the merges as their arguments by name."""
     import cupy
-    from test_launch_abi import _DeviceArray, _empty
+    from test_launch_abi import _empty
 
     from cupyflash import kvcache, plans
     from cupyflash.kernels import build, decode
@@ -500,6 +501,17 @@ def test_host_path_fills_decode_params(monkeypatch):
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
     monkeypatch.setattr(kvcache, "_workspace", {})  # host stand-ins must not stay in the device workspace cache
+    return seen, merges
+
+
+def test_host_path_fills_decode_params(monkeypatch):
+    """The CUDA host path on host stand-ins: launches recorded, the struct decoded field by field."""
+    from test_launch_abi import _DeviceArray
+
+    from cupyflash import kvcache
+    from cupyflash.kernels import decode
+
+    seen, merges = _host_stand_ins(monkeypatch)
     dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
     b, hq, hk, nq, d, page, per_seq = 2, 8, 2, 3, 64, 16, 16
     q = dev(np.zeros((b, hq, nq, d), np.float16))
@@ -554,20 +566,12 @@ def test_host_path_fills_decode_params(monkeypatch):
 def test_host_path_int_seqlens_and_rotary(monkeypatch):
     """An int cache_seqlens is written per call into every launch; with rotary, rotate_q reads q as given and the
     append and decode launches read the rotated dense copy."""
-    import cupy
-    from test_launch_abi import _DeviceArray, _empty
+    from test_launch_abi import _DeviceArray
 
-    from cupyflash import kvcache, plans
-    from cupyflash.kernels import build, decode
+    from cupyflash import kvcache
+    from cupyflash.kernels import decode
 
-    seen = []
-    monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
-    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream, pointers: None)
-    monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
-    monkeypatch.setattr(cupy, "empty", _empty)
-    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
-    monkeypatch.setattr(kvcache, "_workspace", {})  # host stand-ins must not stay in the device workspace cache
+    seen, _ = _host_stand_ins(monkeypatch)
     dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
     b, hq, hk, nq, d, cap = 2, 4, 2, 1, 64, 128
     qkv = dev(np.zeros((b, nq, 3, hq, d), np.float16))  # q a strided view
