@@ -59,8 +59,7 @@ def _vec(p: AttentionProblem, g: Geometry) -> int:
 def forward_plan(p: AttentionProblem, g: Geometry, limits: DeviceLimits) -> CallPlan:
     s = _shape(p, g)
     plan = plans.forward_plan(s, limits)
-    heads_q = s.query_axes(1)[0]  # B*Hq dense, Hq varlen: the grid's head axis (plans.grid_axes)
-    return call_plan([plan.launch], base_params(p, g, plans.heads_fastest(heads_q), vec=_vec(p, g)))
+    return call_plan([plan.launch], base_params(p, g, plans.heads_fastest(s.query_heads), vec=_vec(p, g)))
 
 
 def backward_plan(
@@ -80,8 +79,8 @@ def backward_plan(
         if deterministic:  # one turn counter per (batch, query head, query tile of the dK/dV kernel)
             scratch.append(Scratch("dq_turns", s.b * s.hq * -(-s.nq // plan.kv_tile.cols), zeroed=True))
     # The kv and dq kernels' grids put heads fastest under the same rule (B*Hk <= B*Hq).
-    params = base_params(p, g, plans.heads_fastest(s.query_axes(1)[0]), vec=_vec(p, g))
-    kv_params = base_params(p, g, plans.heads_fastest(s.key_axes(1)[0]), vec=_vec(p, g))
+    params = base_params(p, g, plans.heads_fastest(s.query_heads), vec=_vec(p, g))
+    kv_params = base_params(p, g, plans.heads_fastest(s.key_heads), vec=_vec(p, g))
     launches = [(plan.delta, params.to_bytes()), (plan.kv, kv_params.to_bytes()), (plan.dq, params.to_bytes())]
     return CallPlan(tuple(launches), tuple(scratch))
 

@@ -13,14 +13,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def grid_heads(batch: int, heads: int, total: int | None = None) -> int:
+    """The head axis of a grid over tiles: B*H dense; H varlen (``total`` given: the sequences ride on the
+    tile axis, see grid_axes)."""
+    return heads if total is not None else batch * heads
+
+
 def grid_axes(batch: int, heads: int, n: int, tile: int, total: int | None = None) -> tuple[int, int]:
     """(head axis, tile axis) of a grid over tiles of ``tile`` rows. Dense: B*H heads x ceil(n / tile) tiles.
     Varlen (``total`` packed rows of B sequences): H heads x (total // tile + B) "virtual tiles", which the
     kernels map back to (sequence, tile) (``varlen_tile_coord`` in cuda_src/attention_params.cuh): no block
     for the tiles a short sequence lacks."""
-    if total is None:
-        return batch * heads, cdiv(n, tile)
-    return heads, total // tile + batch
+    tiles = cdiv(n, tile) if total is None else total // tile + batch
+    return grid_heads(batch, heads, total), tiles
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..variants import BUILTIN, Variant
-from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
+from . import DeviceLimits, LaunchPlan, cdiv, grid_axes, grid_heads
 
 FORWARD_SOURCE = "portable_forward.cu"
 BACKWARD_SOURCE = "portable_backward.cu"
@@ -148,6 +148,15 @@ class Shape:
     @property
     def group(self) -> int:
         return self.hq // self.hk
+
+    @property
+    def query_heads(self) -> int:
+        """The head axis of the grids over query tiles (plans.grid_heads: B*Hq dense, Hq varlen)."""
+        return grid_heads(self.b, self.hq, self.total_q)
+
+    @property
+    def key_heads(self) -> int:
+        return grid_heads(self.b, self.hk, self.total_k)
 
     def query_axes(self, rows: int) -> tuple[int, int]:
         """(heads, tiles) of a grid over query tiles of ``rows`` (grid_axes: compact for varlen)."""
