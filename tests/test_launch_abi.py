@@ -268,3 +268,31 @@ def test_positional_launch_rejects_python_scalars():
     plan = LaunchPlan("linear_masked.cu", "k", (1, 1, 1), (32, 1, 1), 0)
     with pytest.raises(TypeError, match="NumPy int32"):
         build.launch_plan(plan, (np.int32(1), 5))
+
+
+def test_ready_launches_queue_their_own_buffers(monkeypatch):
+    """build.Launch and build.ArgsLaunch hand the driver their geometry, the stream and a parameter-pointer array
+    that points into their own buffer (one entry per parameter), resolving the function once."""
+    import ctypes
+
+    import cupy
+
+    from cupyflash.kernels import build
+    from cupyflash.plans import LaunchPlan
+
+    calls, resolved = [], []
+    monkeypatch.setattr(build, "_function_ptr", lambda plan: resolved.append(plan) or 0xF00)
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", lambda *a: calls.append(a))
+    plan = LaunchPlan("linear_masked.cu", "k", (3, 2, 1), (128, 1, 1), 4096)
+    one = build.Launch(plan, b"\x01" * 40)
+    one.fire(7)
+    one.fire(8)
+    fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra = calls[-1]
+    assert (fn, gx, gy, gz, bx, by, bz, shared, stream, extra) == (0xF00, 3, 2, 1, 128, 1, 1, 4096, 8, 0)
+    assert ctypes.c_void_p.from_address(argv).value == ctypes.addressof(one.buffer) and len(resolved) == 1
+    packed = build.ArgsLaunch(plan, "Qi")
+    packed.fire(9, (0xABC, np.int32(5)))
+    argv = calls[-1][9]
+    first, second = (ctypes.c_void_p.from_address(argv + 8 * i).value for i in range(2))
+    assert first == ctypes.addressof(packed.buffer) and second == first + 8
+    assert ctypes.c_uint64.from_address(first).value == 0xABC and ctypes.c_int32.from_address(second).value == 5
