@@ -1,7 +1,8 @@
 """Where a small backward's and a linear forward's host time goes (issue 12), by parts and by cProfile. GPU machine:
     python benchmarks/dev_host_profile.py
 """
-import cProfile, pstats, io, time
+import cProfile, pstats, io, sys, time, os
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy, numpy as np
 import cupyflash
 from cupyflash import cuda_backend as cb
@@ -21,6 +22,12 @@ q, k, v = (rng.standard_normal((1, 8, 128, 64), dtype=np.float32).astype(bf16) f
 o, lse = cupyflash.attention_forward(q, k, v)
 do = rng.standard_normal(o.shape, dtype=np.float32).astype(bf16)
 rows = {}
+rows['api forward'] = per_call(lambda: cupyflash.attention_forward(q, k, v))
+rows['cuda_backend.forward'] = per_call(lambda: cb.forward(q, k, v, False, None, 'auto'))
+fprep = next(iter(cb._forward_cache.values()))
+rows['forward outputs'] = per_call(lambda: cb._empty_outputs(fprep.outputs))
+fl = fprep.plan.ready()
+rows['forward fire only'] = per_call(lambda: [l.fire(cupy.cuda.get_current_stream().ptr) for l in fl])
 rows['api backward'] = per_call(lambda: cupyflash.attention_backward(do, q, k, v, o, lse))
 rows['cuda_backend.backward'] = per_call(lambda: cb.backward(do, q, k, v, o, lse, False, None, 'auto'))
 prep = next(iter(cb._backward_cache.values()))
@@ -40,7 +47,8 @@ for k_, v_ in rows.items(): print(f"{k_:28s} {v_:8.2f} us")
 from cupyflash import linear_attention_forward
 rows2 = {'linear fwd causal': per_call(lambda: linear_attention_forward(q, k, v, causal=True))}
 for k_, v_ in rows2.items(): print(f"{k_:28s} {v_:8.2f} us")
-for label, f in (("backward", lambda: cupyflash.attention_backward(do, q, k, v, o, lse)),
+for label, f in (("forward", lambda: cupyflash.attention_forward(q, k, v)),
+                 ("backward", lambda: cupyflash.attention_backward(do, q, k, v, o, lse)),
                  ("linear", lambda: linear_attention_forward(q, k, v, causal=True))):
     pr = cProfile.Profile(); pr.enable()
     for _ in range(3000): f()

@@ -6,6 +6,7 @@
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "dq_turns.cuh"
+#include "dq_own.cuh"
 
 // The same backward with FlashAttention-2's 2-D warp layout, for large head dims: S^T and dP^T are
 // tiled over kSKeyWarps x (kWarps / kSKeyWarps) warps (keys x queries), so each K_j/V_j and Q_i/dO_i
@@ -15,8 +16,9 @@
 // columns), dQ_i kQRowWarps (queries) x the rest (columns). Two barriers per step, as above.
 // kPackedP: P^T stays live through dP^T only as the 16-bit values written to smem (half the registers;
 // dS^T = P^T (dP^T - Delta) then starts from P^T rounded to T, one more rounding before dS^T's own).
+// kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
 template <typename T, int D, int Br, int Bc, int kWarps, int kSKeyWarps, int kVKeyWarps, int kQRowWarps, int kStages,
-          int kMinBlocks, bool kPackedP, class Policy>
+          int kMinBlocks, bool kPackedP, class Policy, bool kOwnDQ = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     mma_flash_bwd2d(const __grid_constant__ AttentionParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
@@ -106,6 +108,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       cp_async_4(smem_u32(sDelta + buf * Br + r), delta + scratch_row(p, sq, bo, hh) + i, nbytes);
     }
   };
+
+  if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
+    own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);
+    __threadfence_block();
+    __syncthreads();
+  }
 
   float acc_dv[kMV][kNV][4], acc_dk[kMV][kNV][4];
 #pragma unroll
@@ -319,6 +327,24 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       const int bo = opaque(b);
+      if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
+#pragma unroll
+        for (int m = 0; m < kMQ; ++m) {
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
+            if (row < p.nq) {
+              T* const out = own_dq_row<T>(p, bo, hh, row);
+#pragma unroll
+              for (int n = 0; n < kNQ; ++n) {
+                const int col = qc * kQD + n * 8 + (ln & 3) * 2;
+                if (col < d) own_dq_store2<T>(p, out, col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
+              }
+            }
+          }
+        }
+        continue;
+      }
       const SeqRows sq = seq_queries(p, bo);
       int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
       const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, bo, i0, j0);

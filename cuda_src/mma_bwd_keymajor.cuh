@@ -6,8 +6,11 @@
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "dq_turns.cuh"
+#include "dq_own.cuh"
 
-template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy>
+// kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
+template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy,
+          bool kOwnDQ = false>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     mma_flash_bwd(const __grid_constant__ AttentionParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
@@ -105,6 +108,12 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       cp_async_4(smem_u32(sDelta + buf * Br + r), delta + scratch_row(p, sq, bo, hh) + i, nbytes);
     }
   };
+
+  if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
+    own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);
+    __threadfence_block();
+    __syncthreads();
+  }
 
   float acc_dv[kDS / 8][4], acc_dk[kDS / 8][4];
 #pragma unroll
@@ -270,6 +279,21 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       const int bo = opaque(b);
+      if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
+          if (row < p.nq) {
+            T* const out = own_dq_row<T>(p, bo, hh, row);
+#pragma unroll
+            for (int n = 0; n < kDQ / 8; ++n) {
+              const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
+              if (col < d) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+            }
+          }
+        }
+        continue;
+      }
       const SeqRows sq = seq_queries(p, bo);
       float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll

@@ -15,11 +15,13 @@
 #include "mma_softmax.cuh"
 #include "wgmma_primitives.cuh"
 #include "dq_turns.cuh"
+#include "dq_own.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
-template <typename T, int D, int Br, int kWG, int kStages, class Policy>
+// kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
+template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false>
 __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma_flash_bwd(const __grid_constant__ AttentionParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
@@ -88,6 +90,11 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     hh = hkv * group + it / per_head;
     i0 = (m_start + it % per_head) * Br;
   };
+  if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
+    own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);
+    __threadfence_block();
+    __syncthreads();
+  }
   // Q_i, dO_i, lse and Delta of iteration it into ring slot buf (one cp.async group, committed by the caller).
   // Rows past Nq are zeros with lse = Delta = 0: they contribute nothing whatever P is.
   auto load_step = [&](int it, int buf) {
@@ -292,6 +299,25 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(acc_dv);
     wgmma::fence_operands(pt);
     wgmma::fence_operands(dst);
+    if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
+      const int bo = opaque(b);
+      const int nq = p.nq;
+      const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
+      const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = row0 + hf * 8;
+        if (row < nq) {
+          T* const out = own_dq_row<T>(p, bo, hh, row);
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            const int col = col0 + n * 8;
+            if (col < d) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+          }
+        }
+      }
+      continue;
+    }
     int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
     const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
     dq_turn_wait(turn_slot, turn);

@@ -443,7 +443,7 @@ def test_overhead_table_and_json(tmp_path):
     recs = [Record(impl="cupyflash", median_ms=0.0215, gpu_ms=0.0071, **base),
             Record(impl="sdpa", median_ms=0.0202, gpu_ms=0.0093, **base)]  # fmt: skip
     table = format_overhead_table(recs, rows).splitlines()
-    assert "ours us/call" in table[0] and "SDPA us/call" in table[0] and "GPU-event" in table[0]
+    assert "ours us/call" in table[0] and "SDPA us/call" in table[0] and "GPU us (queued)" in table[0]
     assert len(table) == 2 + len(rows)
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:4]]
     assert cells[0] == ["forward bfloat16 B=1 H=8 N=128 D=64", "21.5", "20.2", "7.1", "9.3"]

@@ -121,7 +121,24 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for name, source, expr in dropout_representatives():
         for arch in DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
-    return jobs + array_jobs() + flex_jobs()
+    return jobs + array_jobs() + flex_jobs() + own_dq_jobs()
+
+
+def own_dq_jobs() -> list[tuple[str, str, str, str]]:
+    """The main backward kernels that own dQ (kOwnDQ, cuda_src/dq_own.cuh; one launch when a key tile covers
+    Nk), a representative four: each backward kernel (mma key-major D = 64, mma 2-D D = 128, wgmma D = 64 and
+    128) once, causal or not, bfloat16 or float16; 6 jobs with the architectures."""
+    from cupyflash.plans import mma as pm
+    from cupyflash.plans import wgmma as pw
+    from cupyflash.variants import PLAIN
+
+    plain, causal = (v.cpp_policy for v in PLAIN)
+    jobs = []
+    for ct, d, pol in (("__nv_bfloat16", 64, causal), ("__half", 128, plain)):
+        for arch in ("sm_80", "sm_90a"):
+            jobs.append(("mma", pm.BACKWARD_SOURCE, pm.BACKWARD_CONFIGS[d].name(ct, pol, own_dq=True), arch))
+        jobs.append(("wgmma", pw.BACKWARD_SOURCE, pw.BACKWARD_CONFIGS[d].name(ct, pol, own_dq=True), "sm_90a"))
+    return jobs
 
 
 def flex_spec():

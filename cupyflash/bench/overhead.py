@@ -1,11 +1,12 @@
 """``--suite overhead``: what a small call costs on the host (issue 12, item 5).
 
-For each tiny shape the wall time of ``CALLS`` back-to-back calls after warm-up, then one
-device synchronise, divided by ``CALLS``: kernels this small finish before the next launch is
-issued, so the figure is the host path (checks, plans, allocation, launch) whenever that is the
-longer. Beside it, the GPU time of the same call by CUDA events (median of many), so the reader
-sees how much of a call is host. PyTorch SDPA runs like with like, in the same process: forward
-under ``torch.no_grad()``, backward alone (``torch.autograd.grad`` on a graph kept from one
+For each tiny shape the wall time of ``CALLS`` back-to-back calls after warm-up, then one device
+synchronise, divided by ``CALLS`` (the median of ``REPEATS`` such runs): kernels this small finish before
+the next launch is issued, so the figure is the host path (checks, plans, allocation, launch) whenever that
+is the longer. Beside it, the GPU time of the same call with the host out of the way: the calls queue
+behind a spin kernel and run back to back, timed by CUDA events around the queue (``queued_us``), so the
+reader sees whether a row is bound by the host or by the GPU. PyTorch SDPA runs like with like, in the same
+process: forward under ``torch.no_grad()``, backward alone (``torch.autograd.grad`` on a graph kept from one
 forward); its columns are left out when torch is not importable.
 
 One decode row (issue 15): ``attention_with_kvcache`` for one new query row against a full bf16
@@ -25,6 +26,7 @@ from .shapes import Shape
 
 CALLS = 300
 WARMUP = 30
+REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def plan_rows(shapes: Sequence[Shape]) -> list[Row]:
 
 
 def format_plan(rows: Sequence[Row], sdpa: bool) -> str:
-    lines = [f"suite overhead: wall time of {CALLS} back-to-back calls after warm-up, one synchronise, "
+    lines = [f"suite overhead: wall time of {CALLS} back-to-back calls after warm-up, one synchronise (median of {REPEATS}), "
              f"/ {CALLS}; GPU time by CUDA events" + ("; SDPA alongside" if sdpa else "")]
     lines += [f"  {r.label}" for r in rows]
     return "\n".join(lines)
@@ -79,24 +81,65 @@ class Timed:
     context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
 
-def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP) -> float:
-    """Microseconds per call of ``calls`` back-to-back calls, closed by one synchronise."""
+def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls closed by one synchronise: the median of
+    ``repeats`` such runs (a single run moves by 30% on the GPU machine's host)."""
+    runs = []
     with t.context():
         for _ in range(warmup):
             t.call()
         t.sync()
-        start = time.perf_counter()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                t.call()
+            t.sync()
+            runs.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(runs)[len(runs) // 2]
+
+
+#: Calls queued behind the spin kernel (CUDA queues ~1000 launches before the host blocks; a backward is 3).
+QUEUED_CALLS = 100
+_SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def _spin(ms: float) -> None:
+    """Hold the null stream (and so every blocking stream, torch's default included) for ``ms``."""
+    import cupy
+
+    kernel = _spin.__dict__.get("kernel")
+    if kernel is None:
+        kernel = _spin.__dict__["kernel"] = cupy.RawKernel(_SPIN, "spin")
+    kernel((1,), (1,), (cupy.uint64(ms * 1e6),), stream=cupy.cuda.Stream.null)
+
+
+def queued_us(t: Timed, host_us: float, calls: int = QUEUED_CALLS) -> float:
+    """GPU microseconds per call with the host out of the way: ``calls`` calls are queued while a spin kernel
+    holds the GPU, then run back to back between two events (the gaps between their kernels included). The
+    spin lasts twice the host time of the queue (``host_us`` per call, from ``wall_us``); a queue that took
+    longer than the spin raises, since the GPU would have waited for the host."""
+    spin_ms = 2 * calls * host_us * 1e-3 + 1.0
+    with t.context():
+        t.call()
+        t.sync()
+        start, end = t.clock.event(), t.clock.event()
+        _spin(spin_ms)
+        t0 = time.perf_counter()
+        t.clock.record(start)
         for _ in range(calls):
             t.call()
-        t.sync()
-        return (time.perf_counter() - start) / calls * 1e6
-
-
-def event_us(t: Timed) -> float:
-    """Median GPU time of one call by CUDA events around it, in microseconds."""
-    with t.context():
-        m = timing.measure(lambda i: t.call(), t.clock, warmup=10, runs=200, min_runs=50, max_seconds=0.5)
-    return m.median_ms * 1e3
+        t.clock.record(end)
+        queued_ms = (time.perf_counter() - t0) * 1e3
+        ms = t.clock.elapsed_ms(start, end)
+    if queued_ms > spin_ms:
+        raise RuntimeError(f"queueing {calls} calls took {queued_ms:.1f} ms, longer than the {spin_ms:.1f} ms spin")
+    return ms / calls * 1e3
 
 
 def _cupy_inputs(shape: Shape, seed: int) -> tuple[Any, Any, Any, Any]:
@@ -170,7 +213,7 @@ def sdpa(row: Row, q: Any, k: Any, v: Any, do: Any) -> Timed | None:
 def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, Any],
                  progress: Callable[[str], None]) -> list[Record]:  # fmt: skip
     """One record per (row, implementation): ``median_ms`` is the wall time per call, ``gpu_ms``
-    the CUDA-event time of the same call."""
+    the GPU time of the same call with the host out of the way (``queued_us``)."""
     records: list[Record] = []
     for r in rows:
         q, k, v, do = (_decode_inputs if r.workload == "decode" else _cupy_inputs)(r.shape, seed)
@@ -185,13 +228,14 @@ def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, 
                 t = make(r, q, k, v, do)
                 if t is None:
                     continue
-                wall, gpu = wall_us(t), event_us(t)
+                wall = wall_us(t)
+                gpu = queued_us(t, wall)
             except Exception as e:  # a refusal or an OOM: report it, keep going
                 records.append(Record(status="error", note=f"{type(e).__name__}: {e}"[:200], **base))
                 progress(f"overhead {r.label} {name}: error {e}")
                 continue
             records.append(Record(status="ok", median_ms=wall * 1e-3, gpu_ms=gpu * 1e-3, runs=CALLS,
-                                  note=f"wall of {CALLS} back-to-back calls / {CALLS}", **base))  # fmt: skip
+                                  note=f"median of {REPEATS}: wall of {CALLS} back-to-back calls / {CALLS}", **base))  # fmt: skip
             progress(f"overhead {r.label} {name}: {wall:.1f} us/call wall, {gpu:.1f} us GPU")
     return records
 
@@ -200,7 +244,7 @@ def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, 
 
 
 def format_overhead_table(records: Sequence[Record], rows: Sequence[Row]) -> str:
-    """Rows: calls; columns: ours and SDPA wall microseconds per call, and their GPU-event times."""
+    """Rows: calls; columns: ours and SDPA wall microseconds per call, and their GPU times with the host out of the way."""
     by: dict[tuple, dict[str, Record]] = {}
     for rec in records:
         if rec.kind == "overhead":
@@ -212,7 +256,7 @@ def format_overhead_table(records: Sequence[Record], rows: Sequence[Row]) -> str
             return "-"
         return f"{ms * 1e3:.1f}" if rec.status == "ok" and ms is not None else rec.status
 
-    header = ["call", "ours us/call", "SDPA us/call", "ours GPU-event us", "SDPA GPU-event us"]
+    header = ["call", "ours us/call", "SDPA us/call", "ours GPU us (queued)", "SDPA GPU us (queued)"]
     body = []
     for r in rows:
         s = r.shape

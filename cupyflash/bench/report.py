@@ -36,7 +36,7 @@ class Record:
     note: str = ""
     kind: str = "timing"
     peak_bytes: int | None = None  # memory records
-    gpu_ms: float | None = None  # overhead records: CUDA-event time of the call (median_ms is wall time)
+    gpu_ms: float | None = None  # overhead records: GPU time of the call, queued behind a spin (median_ms is wall)
     env: dict[str, Any] = field(default_factory=dict)  # device, versions, date
 
     @property

@@ -6,7 +6,10 @@ A family (``portable``, ``mma``, ``wgmma``) is a module with:
 - ``supports(problem, limits) -> str | None``: ``None`` if it can run the problem, else the reason,
 - ``forward_plan(problem, geometry, limits) -> CallPlan`` and ``backward_plan(...)``: pure functions of
   the call's signature (no GPU work), so the API caches them per signature,
-- ``instantiations() -> list[(source, name expression)]``: everything it may launch (CI compiles each).
+- ``instantiations() -> list[(source, name expression)]``: everything it may launch with the built-in
+  policies (CI compiles each); a tensor-core backward kernel may also launch in its ``kOwnDQ`` form (one
+  more template flag, one key tile per kv head: ``cuda_src/dq_own.cuh``), which CI compiles for
+  representatives (``tests/test_compile.py``), as it does the mask, dropout and snippet policies.
 
 A ``CallPlan`` is the launches of one pass with their ``AttentionParams`` bytes minus the array
 pointers, plus the scratch buffers to allocate; ``run`` fills in the pointers and launches. Nothing in

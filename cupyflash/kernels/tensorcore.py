@@ -21,11 +21,14 @@ def forward_call(plan: ForwardPlan, p: AttentionProblem, g: Geometry) -> CallPla
 
 
 def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, deterministic: bool = False) -> CallPlan:
-    """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params).
+    """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params), or the
+    main kernel alone where it owns dQ (``BackwardPlan.own_dq``).
     ``deterministic``: one zeroed turn counter per (batch, query head, query tile of the main kernel), so
     the key tiles add into dQ in a fixed order (``cuda_src/dq_turns.cuh``)."""
     if p.varlen:  # the per-row launches and scratch cover the packed (Hq, total_q) rows
         plan = with_rows(plan, scratch_rows(p, g))
+    if plan.own_dq:  # one key tile per kv head: the main kernel does Delta and dQ (one launch; deterministic)
+        return call_plan([plan.main], base_params(p, g, plan.heads_on_x), [Scratch("delta", plan.rows)])
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
     if deterministic:
         scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
-from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
+from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -95,10 +95,10 @@ class BackwardConfig:
         stats = 2 * self.stages * self.br * 4  # lse and Delta ring
         return kv + q_do + ds + stats
 
-    def name(self, ctype: str, policy: str) -> str:
+    def name(self, ctype: str, policy: str, own_dq: bool = False) -> str:
         return (
             f"mma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.key_warps}, {self.d_split}, {self.stages}, "
-            f"{self.min_blocks}, {self.dp_chunks}, {policy}>"
+            f"{self.min_blocks}, {self.dp_chunks}, {policy}{', true' if own_dq else ''}>"  # kOwnDQ: dq_own.cuh
         )
 
 
@@ -131,11 +131,11 @@ class Backward2DConfig:
         stats = 2 * self.stages * self.br * 4
         return kv + q_do + p_ds + stats
 
-    def name(self, ctype: str, policy: str) -> str:
+    def name(self, ctype: str, policy: str, own_dq: bool = False) -> str:
         return (
             f"mma_flash_bwd2d<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.s_key_warps}, "
             f"{self.v_key_warps}, {self.q_row_warps}, {self.stages}, {self.min_blocks}, "
-            f"{'true' if self.packed_p else 'false'}, {policy}>"
+            f"{'true' if self.packed_p else 'false'}, {policy}{', true' if own_dq else ''}>"  # kOwnDQ: dq_own.cuh
         )
 
 
@@ -246,16 +246,17 @@ def plan_backward(
     total: int | None = None,
 ) -> BackwardPlan:
     """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query
-    row for the helpers."""
+    row for the helpers, which the main kernel does itself when a key tile covers every key (``owns_dq``)."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    name = cfg.name(ctype, variant.cpp_policy)
+    own = owns_dq(tiles, total)
+    name = cfg.name(ctype, variant.cpp_policy, own)
     main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
-    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype, own)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN

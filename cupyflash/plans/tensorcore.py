@@ -33,13 +33,20 @@ class BackwardPlan:
     convert: LaunchPlan  # dQ accumulator -> dq
     rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
     heads_on_x: bool  # params.heads_fastest: how main.grid maps to (kv head, key tile)
+    own_dq: bool = False  # main is the kOwnDQ kernel: Delta and dQ itself, delta and convert are not launched
+
+
+def owns_dq(key_tiles: int, total: int | None) -> bool:
+    """Does one block own every query row of its kv head (cuda_src/dq_own.cuh)? When one key tile covers the
+    keys of a dense call: then the main kernel computes Delta and stores dQ itself, one launch instead of three."""
+    return key_tiles == 1 and total is None
 
 
 def backward_plan_around(
-    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str
+    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str, own_dq: bool = False
 ) -> BackwardPlan:
     """A main backward kernel (this family's or the wgmma family's) with the Delta and dQ-conversion
-    launches around it, one warp per query row."""
+    launches around it, one warp per query row (``own_dq``: the main kernel does their work)."""
     rows = batch * hq * nq
     aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
     aux_block = (32 * ROWS_PER_AUX_BLOCK, 1, 1)
@@ -50,6 +57,7 @@ def backward_plan_around(
         convert=LaunchPlan(HELPER_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
         rows=rows,
         heads_on_x=heads_on_x,
+        own_dq=own_dq,
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
-from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around
+from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq
 
 FORWARD_SOURCE = "wgmma_forward.cu"
 BACKWARD_SOURCE = "wgmma_backward.cu"
@@ -130,8 +130,9 @@ class BackwardConfig:
         tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
         return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
 
-    def name(self, ctype: str, policy: str) -> str:
-        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}>"
+    def name(self, ctype: str, policy: str, own_dq: bool = False) -> str:
+        own = ", true" if own_dq else ""  # kOwnDQ (cuda_src/dq_own.cuh)
+        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}{own}>"
 
 
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
@@ -152,16 +153,18 @@ def plan_backward(
     batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
     config: BackwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> BackwardPlan:  # fmt: skip
-    """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel."""
+    """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel; one launch
+    when a key tile covers every key (``owns_dq``)."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    name = cfg.name(ctype, variant.cpp_policy)
+    own = owns_dq(tiles, total)
+    name = cfg.name(ctype, variant.cpp_policy, own)
     main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
-    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype, own)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN

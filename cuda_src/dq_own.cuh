@@ -1,0 +1,78 @@
+// A backward block that owns its queries' dQ (issue 12: a small backward in one launch).
+//
+// The tensor-core backward is three launches: Delta = rowsum(dO * O) (mma_bwd_delta), the main kernel adding
+// dS K_j into an f32 dQ accumulator, and the conversion of that accumulator (mma_bwd_dq_convert). When one
+// key tile of the main kernel covers every key of a (batch, kv head) (Nk <= Bc, dense), one block visits every
+// query row of its kv head's group of query heads, and no other block touches those rows. Instantiated with
+// kOwnDQ, the main kernel then does the helpers' work itself: own_rows() before its loop (Delta, each row's
+// share of dsinks, and dQ = 0 on the rows its loop will not visit), and each step stores scale * dS K_j in
+// dq's dtype and strides instead of adding it. For a tiny call that saves two launches of host time; with no
+// adds whose order could vary, it is deterministic as it stands.
+#pragma once
+#include "attention_params.cuh"
+#include "common.cuh"
+#include "mma_primitives.cuh"  // store2
+
+namespace cupyflash {
+
+// The smallest power of two >= x (threads per row below: one 16-byte chunk each).
+__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+
+// For query heads [h0, h0 + nh) of batch b, every row i < nq: Delta_i into the scratch (and, with attention
+// sinks, the row's share -P_sink,i * Delta_i of dsinks, as mma_bwd_delta), and dQ_i = 0 where i is outside
+// [q_begin, q_end), the rows the block's loop stores. kPer threads per row (a power of two dividing 32), each
+// one 16-byte chunk of dO and O (the tensor-core families' rows: d % 8 == 0, 16-byte aligned), so a pass
+// reads kThreads / kPer rows with independent loads. The caller fences and syncs before reading Delta.
+template <typename T, int D, int kThreads>
+__device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_begin, int q_end) {
+  constexpr int kPer = pow2_at_least(D / 8);
+  static_assert(kPer <= 32 && kThreads % kPer == 0, "a row's threads sit in one warp");
+  constexpr int kRows = kThreads / kPer;
+  const int sub = threadIdx.x % kPer;
+  const int c = sub * 8;
+  const int nq = p.nq, rows = nh * nq;
+  for (int r0 = 0; r0 < rows; r0 += kRows) {  // uniform trip count: every lane reaches the shuffles
+    const int r = r0 + static_cast<int>(threadIdx.x) / kPer;
+    const bool live = r < rows;
+    const int h = h0 + (live ? r / nq : 0), i = live ? r % nq : 0;
+    float sum = 0.f;
+    if (live && c < p.d) {
+      const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n + c;
+      const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n + c;
+      const uint4 x = *reinterpret_cast<const uint4*>(dor);
+      const uint4 y = *reinterpret_cast<const uint4*>(orow);
+      const T* xs = reinterpret_cast<const T*>(&x);
+      const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+    }
+#pragma unroll
+    for (int off = kPer / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (!live) continue;
+    if (sub == 0) {
+      p.delta[(static_cast<long long>(b) * p.hq + h) * nq + i] = sum;
+      if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
+        const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
+        if (l != -CUDART_INF_F) atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
+      }
+    }
+    if ((i < q_begin || i >= q_end) && c < p.d) {
+      T* dq = static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + i * p.dq_s.n + c;
+      *reinterpret_cast<uint4*>(dq) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// A block that owns its rows stores dQ_i's (row, col) pairs as scale * dS K_j in dq's dtype and strides:
+// own_dq_row once per row, then own_dq_store2 per pair.
+template <typename T>
+__device__ __forceinline__ T* own_dq_row(const AttentionParams& p, int b, int h, int row) {
+  return static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + static_cast<long long>(row) * p.dq_s.n;
+}
+
+template <typename T>
+__device__ __forceinline__ void own_dq_store2(const AttentionParams& p, T* row, int col, float x, float y) {
+  mma::store2<T>(row + col, p.scale * x, p.scale * y);
+}
+
+}  // namespace cupyflash
