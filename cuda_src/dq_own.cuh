@@ -19,10 +19,10 @@ namespace cupyflash {
 __host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
 
 // For query heads [h0, h0 + nh) of batch b, every row i < nq: Delta_i into the scratch (and, with attention
-// sinks, the row's share -P_sink,i * Delta_i of dsinks, as mma_bwd_delta), and dQ_i = 0 where i is outside
-// [q_begin, q_end), the rows the block's loop stores. kPer threads per row (a power of two dividing 32), each
-// one 16-byte chunk of dO and O (the tensor-core families' rows: d % 8 == 0, 16-byte aligned), so a pass
-// reads kThreads / kPer rows with independent loads. The caller fences and syncs before reading Delta.
+// sinks, the row's share -P_sink,i * Delta_i of dsinks, summed per thread and head before its atomic), and
+// dQ_i = 0 where i is outside [q_begin, q_end), the rows the block's loop stores. kPer threads per row (a
+// power of two dividing 32), each one 16-byte chunk of dO and O (the tensor-core families' rows: d % 8 == 0,
+// 16-byte aligned), so a pass reads kThreads / kPer rows with independent loads. The caller fences and syncs before reading Delta.
 template <typename T, int D, int kThreads>
 __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_begin, int q_end) {
   constexpr int kPer = pow2_at_least(D / 8);
@@ -31,6 +31,8 @@ __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_
   const int sub = threadIdx.x % kPer;
   const int c = sub * 8;
   const int nq = p.nq, rows = nh * nq;
+  float sink_run = 0.f;  // this thread's rows' dsinks shares for head sink_head, added once per head
+  int sink_head = h0;
   for (int r0 = 0; r0 < rows; r0 += kRows) {  // uniform trip count: every lane reaches the shuffles
     const int r = r0 + static_cast<int>(threadIdx.x) / kPer;
     const bool live = r < rows;
@@ -52,8 +54,13 @@ __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_
     if (sub == 0) {
       p.delta[(static_cast<long long>(b) * p.hq + h) * nq + i] = sum;
       if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
+        if (h != sink_head) {
+          atomicAdd(p.dsinks + sink_head, sink_run);
+          sink_run = 0.f;
+          sink_head = h;
+        }
         const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
-        if (l != -CUDART_INF_F) atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
+        if (l != -CUDART_INF_F) sink_run -= __expf(p.sinks[h] - l) * sum;
       }
     }
     if ((i < q_begin || i >= q_end) && c < p.d) {
@@ -61,6 +68,7 @@ __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_
       *reinterpret_cast<uint4*>(dq) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
+  if (p.dsinks != nullptr && sub == 0 && sink_run != 0.f) atomicAdd(p.dsinks + sink_head, sink_run);
 }
 
 // A block that owns its rows stores dQ_i's (row, col) pairs as scale * dS K_j in dq's dtype and strides:

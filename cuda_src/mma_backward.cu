@@ -23,37 +23,42 @@ using namespace cupyflash::mma;
 #include "mma_bwd_2d.cuh"
 
 // Delta = rowsum(dO * O) in f32, one warp per query row; the row's dQ accumulator is zeroed too, and with
-// attention sinks the row's share of dsinks is added.
+// attention sinks the rows' shares of dsinks are added (one atomic per block and head: add_dsinks_block).
 template <typename T>
 __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ AttentionParams p) {
   const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (r >= p.rows) return;
+  const bool live = r < p.rows;
   const int nq = row_extent(p);  // varlen: the packed (Hq, total_q) rows, as one batch
   const int i = static_cast<int>(r % nq);
   const long long bh = r / nq;
-  const int h = static_cast<int>(bh % p.hq);
+  const int h = live ? static_cast<int>(bh % p.hq) : 0;
   const long long b = bh / p.hq;
-  const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
-  const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n;
   float sum = 0.f;
-  for (int c = lane * 8; c < p.d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
-    const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
-    const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
-    const T* xs = reinterpret_cast<const T*>(&x);
-    const T* ys = reinterpret_cast<const T*>(&y);
+  if (live) {
+    const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
+    const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n;
+    for (int c = lane * 8; c < p.d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
+      const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
+      const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
+      const T* xs = reinterpret_cast<const T*>(&x);
+      const T* ys = reinterpret_cast<const T*>(&y);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+      for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+    }
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) {
-    p.delta[r] = sum;
-    if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
+  if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
+    float share = 0.f;
+    if (live) {
       const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
-      if (l != -CUDART_INF_F) atomicAdd(p.dsinks + h, -__expf(p.sinks[h] - l) * sum);
+      if (l != -CUDART_INF_F) share = -__expf(p.sinks[h] - l) * sum;
     }
+    add_dsinks_block<8>(p, h, share);
   }
+  if (!live) return;
+  if (lane == 0) p.delta[r] = sum;
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + r * p.d);
   for (int c = lane; c < p.d / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 }

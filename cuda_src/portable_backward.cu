@@ -26,26 +26,28 @@ using namespace cupyflash::portable;
 
 template <typename T>
 __global__ void __launch_bounds__(256)
-portable_bwd_delta(const __grid_constant__ AttentionParams p) {
+portable_bwd_delta(const __grid_constant__ AttentionParams p) {  // 256 threads (plans.portable.DELTA_THREADS)
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= p.rows) return;
+    const bool live = row < p.rows;
     const int lane = threadIdx.x % 32;
     const int hq = p.hq, nq = row_extent(p);  // varlen: the packed rows, as one batch of total_q
     const long long b = row / ((long long)hq * nq);
-    const int h = (int)(row / nq % hq), n = (int)(row % nq);
-    const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + n * p.o_s.n;
-    const T* drow = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + n * p.dout_s.n;
-    float acc = 0.f;
-    for (int c = lane; c < p.d; c += 32) acc = fmaf(to_float<T>(orow[c]), to_float<T>(drow[c]), acc);
+    const int h = live ? (int)(row / nq % hq) : 0, n = (int)(row % nq);
+    float acc = 0.f, lse = 0.f;
+    if (live) {
+        const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + n * p.o_s.n;
+        const T* drow = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + n * p.dout_s.n;
+        for (int c = lane; c < p.d; c += 32) acc = fmaf(to_float<T>(orow[c]), to_float<T>(drow[c]), acc);
+        lse = p.lse[b * p.lse_s.b + h * p.lse_s.h + n * p.lse_s.n];
+    }
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if (lane == 0) {
-        const float lse = p.lse[b * p.lse_s.b + h * p.lse_s.h + n * p.lse_s.n];
+    // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse); a -inf sink of a row that saw no
+    // key (lse = -inf) adds 0, not NaN. One atomic per block and head (add_dsinks_block).
+    if (p.dsinks != nullptr) add_dsinks_block<8>(p, h, live && lse != neg_inf() ? -expf(p.sinks[h] - lse) * acc : 0.f);
+    if (live && lane == 0) {
         p.delta[row] = acc;
         p.lse_log2[row] = lse * kLog2e;  // -inf stays -inf
-        // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse); a -inf sink of a row
-        // that saw no key (lse = -inf) adds 0, not NaN.
-        if (p.dsinks != nullptr) atomicAdd(p.dsinks + h, lse == neg_inf() ? 0.f : -expf(p.sinks[h] - lse) * acc);
     }
 }
 
