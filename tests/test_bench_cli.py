@@ -440,24 +440,24 @@ def test_overhead_table_and_json(tmp_path):
     s = rows[0].shape
     base = dict(workload="softmax", b=s.b, h=s.h, n=s.n, d=s.d, causal=s.causal, dtype=s.dtype, pass_="fwd",
                 kind="overhead", status="ok", runs=300)  # fmt: skip
-    recs = [Record(impl="cupyflash", median_ms=0.0215, gpu_ms=0.0071, **base),
-            Record(impl="sdpa", median_ms=0.0202, gpu_ms=0.0093, **base)]  # fmt: skip
+    recs = [Record(impl="cupyflash", median_ms=0.0215, gpu_ms=0.0071, host_ms=0.0211, **base),
+            Record(impl="sdpa", median_ms=0.0202, gpu_ms=0.0093, host_ms=0.0198, **base)]  # fmt: skip
     table = format_overhead_table(recs, rows).splitlines()
     assert "ours us/call" in table[0] and "SDPA us/call" in table[0] and "GPU us (queued)" in table[0]
     assert len(table) == 2 + len(rows)
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:4]]
-    assert cells[0] == ["forward bfloat16 B=1 H=8 N=128 D=64", "21.5", "20.2", "7.1", "9.3"]
-    assert cells[1][1:] == ["-"] * 4  # the backward row has no record
+    assert cells[0] == ["forward bfloat16 B=1 H=8 N=128 D=64", "21.5", "20.2", "21.1", "19.8", "7.1", "9.3"]
+    assert cells[1][1:] == ["-"] * 6  # the backward row has no record
     path = tmp_path / "o.json"
     bench.report.write_json(recs, str(path))
     got = json.loads(path.read_text())
     assert set(got[0]) == set(bench.JSON_KEYS) and got[0]["kind"] == "overhead" and got[0]["gpu_ms"] == 0.0071
     # The decode row: its own workload, found by the table under its label.
-    dec = Record(impl="cupyflash", median_ms=0.012, gpu_ms=0.02, **dict(base, workload="decode", b=1, h=32, n=4096,
-                                                                        d=128, dtype="bfloat16"))  # fmt: skip
+    dec = Record(impl="cupyflash", median_ms=0.012, gpu_ms=0.02, host_ms=0.011,
+                 **dict(base, workload="decode", b=1, h=32, n=4096, d=128, dtype="bfloat16"))  # fmt: skip
     last = format_overhead_table([dec], rows).splitlines()[-1]
     assert [c.strip() for c in last.strip("|").split("|")] == [
-        "decode bfloat16 B=1 Hq=32 Hk=8 Nq=1 cache=4096 D=128", "12.0", "-", "20.0", "-"]
+        "decode bfloat16 B=1 Hq=32 Hk=8 Nq=1 cache=4096 D=128", "12.0", "-", "11.0", "-", "20.0", "-"]
 
 
 # ---------------------------------------------------------------------------- variants suite

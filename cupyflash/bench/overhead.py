@@ -81,10 +81,12 @@ class Timed:
     context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
 
-def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
-    """Microseconds per call of ``calls`` back-to-back calls closed by one synchronise: the median of
-    ``repeats`` such runs (a single run moves by 30% on the GPU machine's host)."""
-    runs = []
+def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP, repeats: int = REPEATS) -> tuple[float, float]:
+    """Microseconds per call of ``calls`` back-to-back calls: (wall time to the closing synchronise, host time
+    to the last call's return), each the median of ``repeats`` runs (a single run moves by 30% on the GPU
+    machine's host). The host time is what queueing the calls cost: CUDA holds about 1000 launches before the
+    host waits, more than ``calls`` of these calls make, so on a GPU-bound row it is the host's own part."""
+    walls, hosts = [], []
     with t.context():
         for _ in range(warmup):
             t.call()
@@ -93,9 +95,11 @@ def wall_us(t: Timed, calls: int = CALLS, warmup: int = WARMUP, repeats: int = R
             start = time.perf_counter()
             for _ in range(calls):
                 t.call()
+            queued = time.perf_counter()
             t.sync()
-            runs.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(runs)[len(runs) // 2]
+            walls.append((time.perf_counter() - start) / calls * 1e6)
+            hosts.append((queued - start) / calls * 1e6)
+    return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
 
 
 #: Calls queued behind the spin kernel (CUDA queues ~1000 launches before the host blocks; a backward is 3).
@@ -228,15 +232,15 @@ def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, 
                 t = make(r, q, k, v, do)
                 if t is None:
                     continue
-                wall = wall_us(t)
-                gpu = queued_us(t, wall)
+                wall, host = wall_us(t)
+                gpu = queued_us(t, host)
             except Exception as e:  # a refusal or an OOM: report it, keep going
                 records.append(Record(status="error", note=f"{type(e).__name__}: {e}"[:200], **base))
                 progress(f"overhead {r.label} {name}: error {e}")
                 continue
-            records.append(Record(status="ok", median_ms=wall * 1e-3, gpu_ms=gpu * 1e-3, runs=CALLS,
+            records.append(Record(status="ok", median_ms=wall * 1e-3, gpu_ms=gpu * 1e-3, host_ms=host * 1e-3, runs=CALLS,
                                   note=f"median of {REPEATS}: wall of {CALLS} back-to-back calls / {CALLS}", **base))  # fmt: skip
-            progress(f"overhead {r.label} {name}: {wall:.1f} us/call wall, {gpu:.1f} us GPU")
+            progress(f"overhead {r.label} {name}: {wall:.1f} us/call wall, {host:.1f} us host, {gpu:.1f} us GPU")
     return records
 
 
@@ -244,7 +248,8 @@ def run_overhead(rows: Sequence[Row], use_sdpa: bool, seed: int, env: dict[str, 
 
 
 def format_overhead_table(records: Sequence[Record], rows: Sequence[Row]) -> str:
-    """Rows: calls; columns: ours and SDPA wall microseconds per call, and their GPU times with the host out of the way."""
+    """Rows: calls; columns: ours and SDPA wall microseconds per call, their host parts (queueing the calls),
+    and their GPU times with the host out of the way."""
     by: dict[tuple, dict[str, Record]] = {}
     for rec in records:
         if rec.kind == "overhead":
@@ -254,17 +259,20 @@ def format_overhead_table(records: Sequence[Record], rows: Sequence[Row]) -> str
     def cell(rec: Record | None, ms: float | None) -> str:
         if rec is None:
             return "-"
-        return f"{ms * 1e3:.1f}" if rec.status == "ok" and ms is not None else rec.status
+        if rec.status != "ok":
+            return rec.status
+        return "-" if ms is None else f"{ms * 1e3:.1f}"
 
-    header = ["call", "ours us/call", "SDPA us/call", "ours GPU us (queued)", "SDPA GPU us (queued)"]
+    header = ["call", "ours us/call", "SDPA us/call", "ours host us", "SDPA host us", "ours GPU us (queued)",
+              "SDPA GPU us (queued)"]  # fmt: skip
     body = []
     for r in rows:
         s = r.shape
         got = by.get((r.workload, r.pass_, s.dtype, s.b, s.h, s.n, s.d, s.causal), {})
         mine = got.get("cupyflash") or got.get("cupyflash-linear")
         theirs = got.get("sdpa")
-        body.append([r.label, cell(mine, mine and mine.median_ms), cell(theirs, theirs and theirs.median_ms),
-                     cell(mine, mine and mine.gpu_ms), cell(theirs, theirs and theirs.gpu_ms)])  # fmt: skip
+        body.append([r.label, *(cell(x, x and getattr(x, f)) for f in ("median_ms", "host_ms", "gpu_ms")
+                                for x in (mine, theirs))])  # fmt: skip
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
 
     def fmt(cells: Sequence[str]) -> str:

@@ -15,7 +15,8 @@ from .shapes import Shape
 @dataclass
 class Record:
     """One measurement (kind "timing"), one memory check (kind "memory") or one host-overhead
-    measurement (kind "overhead": ``median_ms`` wall time per call, ``gpu_ms`` its GPU time)."""
+    measurement (kind "overhead": ``median_ms`` wall time per call, ``host_ms`` the host's part, ``gpu_ms``
+    the GPU's)."""
 
     workload: str
     b: int
@@ -37,6 +38,7 @@ class Record:
     kind: str = "timing"
     peak_bytes: int | None = None  # memory records
     gpu_ms: float | None = None  # overhead records: GPU time of the call, queued behind a spin (median_ms is wall)
+    host_ms: float | None = None  # overhead records: host time of the call (queueing it, no waiting on the GPU)
     env: dict[str, Any] = field(default_factory=dict)  # device, versions, date
 
     @property
@@ -58,7 +60,7 @@ ENV_KEYS = ("device", "compute_capability", "versions", "date")
 #: Keys every JSON record has (tests check the schema against this).
 JSON_KEYS = (
     "kind", "workload", "b", "h", "n", "d", "causal", "dtype", "pass", "impl", "status",
-    "median_ms", "tflops", "flops", "runs", "sets", "flushed", "note", "peak_bytes", "gpu_ms",
+    "median_ms", "tflops", "flops", "runs", "sets", "flushed", "note", "peak_bytes", "gpu_ms", "host_ms",
     *ENV_KEYS,
 )  # fmt: skip
 
