@@ -205,6 +205,19 @@ class _Prepared:
 
 _prepared: dict[tuple, _Prepared] = {}
 
+_backend_module: Any = None
+
+
+def _backend() -> Any:
+    """cuda_backend (its array keys and output allocation), imported once: a ``from`` import inside the per-call
+    path costs microseconds each call (importlib's fromlist handling), which a decode step's host path counts."""
+    global _backend_module
+    if _backend_module is None:
+        from . import cuda_backend
+
+        _backend_module = cuda_backend
+    return _backend_module
+
 # A signature's launches share their argument buffers: one thread writes and queues them at a time.
 _launching = threading.Lock()
 
@@ -214,8 +227,8 @@ def _signature(arrays: tuple, scalars: tuple) -> tuple | None:
     the device), or None for calls that are not all CuPy (not cached). ``arrays`` in ``ARRAY_NAMES`` order,
     ``scalars`` = (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens
     enters by kind only: its value is range-checked per call, so a decode loop does not grow the cache."""
-    from .cuda_backend import _array_key, _key_of
-
+    backend = _backend()
+    _array_key, _key_of = backend._array_key, backend._key_of
     seqlens = arrays[5]
     int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
     keys: list[Any] = []
@@ -288,10 +301,8 @@ def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any,
     queue them. Nothing is converted or rebuilt per call."""
     import cupy
 
-    from .cuda_backend import _empty_outputs
-
     p = prep.p
-    o, lse, *rest = _empty_outputs(prep.outputs)
+    o, lse, *rest = _backend()._empty_outputs(prep.outputs)
     if o.size == 0:
         return o, lse
     stream = cupy.cuda.get_current_stream().ptr
