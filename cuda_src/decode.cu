@@ -207,7 +207,7 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
 // One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the split weights
 // of splits l, l + 32, ..., handed out by shuffles. The split loop is unrolled so that each lane has several
 // independent L2 loads in flight: a loop that waited on one load per split and column (merge_states' shape)
-// costs splits x columns x L2 latency, ~45 us at 33 splits.
+// costs ~splits x columns L2 round trips (tens of us at 33 splits).
 template <typename T, int kD>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int kvh, int m0, int km) {
   __threadfence();  // this thread's partials are visible device-wide before the block counts itself in
@@ -468,28 +468,42 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_split(const __grid_c
 // o = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p) (natural log), over `parts` partial results
 // of `rows` rows each: o_parts (parts, rows, d), lse_parts (parts, rows), both dense. Parts with
 // lse = -inf weigh nothing; a row whose every part is -inf gives o = 0, lse = -inf. With sinks (Hq,),
-// row (b * hq + h) * nq + i also adds sink h to its denominator. One warp per row.
+// row (b * hq + h) * nq + i also adds sink h to its denominator. One warp per row: lanes read the parts' lse in
+// parallel and hand the weights out by shuffles, and the parts loop over a lane's column is unrolled, so several
+// loads are in flight per lane (not one round trip per part and column, as a plain loop would wait).
 template <typename TIn, typename TOut>
 __global__ void merge_states(const TIn* __restrict__ o_parts, const float* __restrict__ lse_parts,
                              TOut* __restrict__ o, float* __restrict__ lse, const float* __restrict__ sinks,
                              long long rows, int parts, int d, int nq, int hq) {
   const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
+  if (row >= rows) return;  // whole warps
   const float neg_inf = -__int_as_float(0x7f800000);
-  float mx = sinks != nullptr ? sinks[(row / nq) % hq] : neg_inf;
-  for (int i = 0; i < parts; ++i) mx = fmaxf(mx, lse_parts[i * rows + row]);
+  const float sink = sinks != nullptr ? sinks[(row / nq) % hq] : neg_inf;
+  float mx = sink;
+  for (int i = lane; i < parts; i += 32) mx = fmaxf(mx, lse_parts[i * rows + row]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   const float m_use = mx == neg_inf ? 0.f : mx;
-  float total = sinks != nullptr ? expf(sinks[(row / nq) % hq] - m_use) : 0.f;
-  for (int i = 0; i < parts; ++i) total += expf(lse_parts[i * rows + row] - m_use);
+  float total = 0.f;
+  for (int i = lane; i < parts; i += 32) total += expf(lse_parts[i * rows + row] - m_use);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  total += expf(sink - m_use);  // 0 without sinks
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int c = lane; c < d; c += 32) {
+  for (int c0 = 0; c0 < d; c0 += 32) {
+    const int c = c0 + lane;
     float x = 0.f;
-    for (int i = 0; i < parts; ++i) {
-      const float w = expf(lse_parts[i * rows + row] - m_use);
-      if (w > 0.f) x = fmaf(w, to_float<TIn>(o_parts[(i * rows + row) * d + c]), x);
+    for (int i0 = 0; i0 < parts; i0 += 32) {
+      const float wl = i0 + lane < parts ? expf(lse_parts[(i0 + lane) * rows + row] - m_use) : 0.f;
+      const int n = min(32, parts - i0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wl, j);  // an empty part (w = 0) is never read
+        if (w > 0.f && c < d) x = fmaf(w, to_float<TIn>(o_parts[((i0 + j) * rows + row) * d + c]), x);
+      }
     }
-    o[row * d + c] = from_float<TOut>(x * inv);
+    if (c < d) o[row * d + c] = from_float<TOut>(x * inv);
   }
   if (lane == 0) lse[row] = total > 0.f ? m_use + logf(total) : neg_inf;
 }
