@@ -59,6 +59,9 @@ struct DecodeParams {
   int rotary_interleaved;  // 1: pairs (2j, 2j + 1) (GPT-J); 0: halves (j, j + rotary_dim / 2) (GPT-NeoX)
   int rotary_rows;         // positions cos/sin cover
   int rotary_q_step;       // q row i sits at position cache_seqlens + i (1: causal/local) or cache_seqlens (0)
+  // Decode v3, the merge inside the split launch: (B * gridDim.y) arrival counters, one per (b, row chunk), zero
+  // between launches (the merging block resets its own); null without splits.
+  int* split_count;
 };
 
 // Keys this call attends to for sequence b: its cached length (clamped so the append fits) + n_new.
@@ -192,6 +195,88 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
   const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
   for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) f[i] = to_float<T>(e[i]);
+}
+
+// Split-KV's merge inside the decode launch ("last block done"): every split block of a (b, row chunk) has
+// written its float32 partials; it publishes them (fence) and counts itself in, and the block that arrives last
+// combines the chunk's rows by merge_states' rule (the sink joins once, here) and resets the counter for the next
+// launch. So a split call is one launch: no merge kernel, no memset. Rows m0 .. m0 + km - 1 of KV head kvh's
+// group; every thread of the block calls it (it synchronises). Partials are read through L2 (__ldcg): other
+// SMs wrote them during this launch, and L1 is not coherent with them.
+//
+// One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the split weights
+// of splits l, l + 32, ..., handed out by shuffles. The split loop is unrolled so that each lane has several
+// independent L2 loads in flight: a loop that waited on one load per split and column (merge_states' shape)
+// costs ~splits x columns L2 round trips (tens of us at 33 splits).
+template <typename T, int kD>
+__device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int kvh, int m0, int km) {
+  __threadfence();  // this thread's partials are visible device-wide before the block counts itself in
+  __syncthreads();
+  const int splits = gridDim.z;
+  int last = 0;
+  if (threadIdx.x == 0) {
+    int* count = p.split_count + (static_cast<long long>(b) * gridDim.y + blockIdx.y);
+    last = atomicAdd(count, 1) == splits - 1;
+    if (last) atomicExch(count, 0);  // every split has arrived: ready for the next launch
+  }
+  if (!__syncthreads_or(last)) return;
+  __threadfence();  // the other blocks' partials, published before their counts, are read after ours
+
+  constexpr int kV = kD / 32;  // columns per lane: 2, 4 or 8
+  static_assert(kD % 64 == 0, "columns per lane in float2 pairs");
+  const AttentionParams& a = p.attn;
+  const long long rows_total = static_cast<long long>(a.batch) * a.hq * a.nq;
+  const int lane = threadIdx.x % 32, c0 = lane * kV;
+  const float neg_inf = -__int_as_float(0x7f800000);
+  for (int r = threadIdx.x / 32; r < km && m0 + r < p.m_rows; r += blockDim.x / 32) {
+    const int row = m0 + r, h = kvh * a.group + row / a.nq, qi = row % a.nq;
+    const long long prow = (static_cast<long long>(b) * a.hq + h) * a.nq + qi;
+    const float* lse_p = p.lse_part + prow;             // split s at lse_p[s * rows_total]
+    const float* o_p = p.o_part + prow * a.d + c0;      // split s at o_p[s * rows_total * d]
+    const float sink2 = sink_log2(a, h);
+    float mx = sink2;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse_p + s * rows_total) * kLog2e);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_use = mx == neg_inf ? 0.f : mx;
+
+    float acc[kV], tot = 0.f;
+#pragma unroll
+    for (int v = 0; v < kV; ++v) acc[v] = 0.f;
+    const bool cols = c0 < a.d;  // d is even and c0 too: a pair is in or out as a whole
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+      // this lane's split weight (0 for a split that saw no key, and past the last split)
+      const float wl = s0 + lane < splits ? exp2f(__ldcg(lse_p + (s0 + lane) * rows_total) * kLog2e - m_use) : 0.f;
+      tot += wl;
+      const int n = min(32, splits - s0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wl, j);
+        if (cols) {
+          const float* src = o_p + (s0 + j) * rows_total * a.d;
+#pragma unroll
+          for (int v = 0; v < kV; v += 2) {
+            if (c0 + v < a.d) {
+              const float2 x = __ldcg(reinterpret_cast<const float2*>(src + v));
+              acc[v] = fmaf(w, x.x, acc[v]);
+              acc[v + 1] = fmaf(w, x.y, acc[v + 1]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    tot += exp2f(sink2 - m_use);  // 0 without a sink
+    const float inv = tot > 0.f ? 1.f / tot : 0.f;
+    T* o = static_cast<T*>(a.o) + b * a.o_s.b + h * a.o_s.h + qi * a.o_s.n;
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      if (c0 + v < a.d) o[c0 + v] = from_float<T>(acc[v] * inv);
+    }
+    if (lane == 0) a.lse[b * a.lse_s.b + h * a.lse_s.h + qi * a.lse_s.n] = tot > 0.f ? (m_use + log2f(tot)) / kLog2e
+                                                                                     : neg_inf;
+  }
 }
 
 // Split-KV decode. Grid: (B, Hk * m_chunks, splits); block: 128 threads. Rows r of a block are query
@@ -346,8 +431,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_split(const __grid_c
   cp_async_wait<0>();
   __syncthreads();
 
-  // Epilogue: one split writes o and lse (with the sink); several write float32 partials that
-  // merge_states combines (the sink joins there, once).
+  // Epilogue: one split writes o and lse (with the sink); several write float32 partials that the last
+  // block of the row chunk combines (merge_if_last; the sink joins there, once).
   const long long rows_total = static_cast<long long>(a.batch) * a.hq * a.nq;
 #pragma unroll
   for (int i = 0; i < kRowsO; ++i) {
@@ -377,33 +462,48 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_split(const __grid_c
       if (c_o == 0) p.lse_part[prow] = lse2 / kLog2e;
     }
   }
+  if (gridDim.z > 1) merge_if_last<T, kD>(p, b, kvh, m0, kM);
 }
 
 // o = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p) (natural log), over `parts` partial results
 // of `rows` rows each: o_parts (parts, rows, d), lse_parts (parts, rows), both dense. Parts with
 // lse = -inf weigh nothing; a row whose every part is -inf gives o = 0, lse = -inf. With sinks (Hq,),
-// row (b * hq + h) * nq + i also adds sink h to its denominator. One warp per row.
+// row (b * hq + h) * nq + i also adds sink h to its denominator. One warp per row: lanes read the parts' lse in
+// parallel and hand the weights out by shuffles, and the parts loop over a lane's column is unrolled, so several
+// loads are in flight per lane (not one round trip per part and column, as a plain loop would wait).
 template <typename TIn, typename TOut>
 __global__ void merge_states(const TIn* __restrict__ o_parts, const float* __restrict__ lse_parts,
                              TOut* __restrict__ o, float* __restrict__ lse, const float* __restrict__ sinks,
                              long long rows, int parts, int d, int nq, int hq) {
   const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
+  if (row >= rows) return;  // whole warps
   const float neg_inf = -__int_as_float(0x7f800000);
-  float mx = sinks != nullptr ? sinks[(row / nq) % hq] : neg_inf;
-  for (int i = 0; i < parts; ++i) mx = fmaxf(mx, lse_parts[i * rows + row]);
+  const float sink = sinks != nullptr ? sinks[(row / nq) % hq] : neg_inf;
+  float mx = sink;
+  for (int i = lane; i < parts; i += 32) mx = fmaxf(mx, lse_parts[i * rows + row]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   const float m_use = mx == neg_inf ? 0.f : mx;
-  float total = sinks != nullptr ? expf(sinks[(row / nq) % hq] - m_use) : 0.f;
-  for (int i = 0; i < parts; ++i) total += expf(lse_parts[i * rows + row] - m_use);
+  float total = 0.f;
+  for (int i = lane; i < parts; i += 32) total += expf(lse_parts[i * rows + row] - m_use);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
+  total += expf(sink - m_use);  // 0 without sinks
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int c = lane; c < d; c += 32) {
+  for (int c0 = 0; c0 < d; c0 += 32) {
+    const int c = c0 + lane;
     float x = 0.f;
-    for (int i = 0; i < parts; ++i) {
-      const float w = expf(lse_parts[i * rows + row] - m_use);
-      if (w > 0.f) x = fmaf(w, to_float<TIn>(o_parts[(i * rows + row) * d + c]), x);
+    for (int i0 = 0; i0 < parts; i0 += 32) {
+      const float wl = i0 + lane < parts ? expf(lse_parts[(i0 + lane) * rows + row] - m_use) : 0.f;
+      const int n = min(32, parts - i0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wl, j);  // an empty part (w = 0) is never read
+        if (w > 0.f && c < d) x = fmaf(w, to_float<TIn>(o_parts[((i0 + j) * rows + row) * d + c]), x);
+      }
     }
-    o[row * d + c] = from_float<TOut>(x * inv);
+    if (c < d) o[row * d + c] = from_float<TOut>(x * inv);
   }
   if (lane == 0) lse[row] = total > 0.f ? m_use + logf(total) : neg_inf;
 }

@@ -13,7 +13,9 @@
 // S = Q K^T with K through ldmatrix, online softmax in registers (exp2, scale folded in), P rounded to T as the
 // A operand of O += P V (V through ldmatrix.trans). K/V tiles stream through a kStages-deep cp.async ring of
 // 16-byte copies; a paged cache is located once per key row (one block-table read per row and thread, a shift
-// when page_size is a power of two), never per element.
+// when page_size is a power of two), never per element, and (v3) the reads for a tile go out one loop iteration
+// before its copies, so a scattered table (page size 1: 64 entries a tile) never stalls a warp. With several
+// splits, the last block of a row chunk merges the chunk's partials in the same launch (merge_if_last).
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
@@ -54,42 +56,66 @@ struct CacheRows {
     last_blk = p.pages_per_seq - 1;
     num_pages = p.num_pages;
   }
-  // Page (or cache row) and slot of key `key` (>= 0).
-  __device__ __forceinline__ void locate(int key, int& page, int& row) const {
+  __device__ __forceinline__ int block_of(int key) const {
+    return min(pow2 ? key >> shift : key / page_size, last_blk);
+  }
+  // The raw block-table entry of key `key` (>= 0); contiguous: the fixed cache row. Issued a tile ahead of use
+  // (decode v3): the load is in flight while the current tile is computed, so no warp stalls on it.
+  __device__ __forceinline__ int fetch(int key) const { return bt == nullptr ? page_fixed : bt[block_of(key)]; }
+  // Page (or cache row) and slot of key `key` from its fetched entry (clamped into the arrays).
+  __device__ __forceinline__ void place(int key, int entry, int& page, int& row) const {
     if (bt == nullptr) {
       page = page_fixed;
       row = min(key, page_size - 1);
       return;
     }
-    const int blk = min(pow2 ? key >> shift : key / page_size, last_blk);
-    page = min(max(bt[blk], 0), num_pages - 1);
-    row = min(key - blk * page_size, page_size - 1);
+    page = min(max(entry, 0), num_pages - 1);
+    row = min(key - block_of(key) * page_size, page_size - 1);
   }
 };
 
-// Queue K and V rows [k0, k0 + 64) of head kvh into one ring slot. Thread: one 16-byte column chunk, rows
-// r0, r0 + kRowStep, ...; rows at or past k_end and chunks past d are zero-filled (their P is 0, and
-// 0 * garbage could be NaN).
+// Rows of a K/V tile that one thread copies (one 16-byte column chunk each).
+template <int kD>
+struct KVLoadShape {
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kRowStep = kDecodeMmaThreads / kChunks;
+  static constexpr int kRows = kDecodeMmaBc / kRowStep;
+  static_assert(kDecodeMmaThreads % kChunks == 0 && kDecodeMmaBc % kRowStep == 0, "load layout");
+};
+
+// This thread's block-table entries for the rows of the tile at k0 (rows at or past k_end: unused, 0).
+template <int kD>
+__device__ __forceinline__ void fetch_pages(int (&entry)[KVLoadShape<kD>::kRows], const CacheRows& rows, int k0,
+                                            int k_end) {
+  using LS = KVLoadShape<kD>;
+  const int r0 = threadIdx.x / LS::kChunks;
+#pragma unroll
+  for (int i = 0; i < LS::kRows; ++i) {
+    const int key = k0 + r0 + i * LS::kRowStep;
+    entry[i] = key < k_end ? rows.fetch(key) : 0;
+  }
+}
+
+// Queue K and V rows [k0, k0 + 64) of head kvh into one ring slot, their block-table entries fetched before
+// (fetch_pages). Thread: one 16-byte column chunk, rows r0, r0 + kRowStep, ...; rows at or past k_end and chunks
+// past d are zero-filled (their P is 0, and 0 * garbage could be NaN).
 template <typename T, int kD>
 __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p, const CacheRows& rows, int kvh,
-                                            int k0, int k_end) {
+                                            int k0, int k_end, const int (&entry)[KVLoadShape<kD>::kRows]) {
   using L = mma::TileLayout<kD>;
-  constexpr int kChunks = kD / 8;
-  constexpr int kRowStep = kDecodeMmaThreads / kChunks;
-  static_assert(kDecodeMmaThreads % kChunks == 0 && kDecodeMmaBc % kRowStep == 0, "load layout");
+  constexpr int kChunks = KVLoadShape<kD>::kChunks;
+  constexpr int kRowStep = KVLoadShape<kD>::kRowStep;
+  constexpr int kRows = KVLoadShape<kD>::kRows;
   const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
   const bool col_ok = c * 8 < p.attn.d;
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
-  constexpr int kRows = kDecodeMmaBc / kRowStep;
-  // Locate every row first: the block-table reads go out together, not one per copy (the copies' memory
-  // clobbers would serialise them).
   int page[kRows], slot[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int key = k0 + r0 + i * kRowStep;
     page[i] = slot[i] = 0;
-    if (col_ok && key < k_end) rows.locate(key, page[i], slot[i]);
+    if (col_ok && key < k_end) rows.place(key, entry[i], page[i], slot[i]);
   }
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
@@ -141,12 +167,18 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
   const int k_end = min(keys.end, k_begin + chunk);
   const int n_tiles = k_end > k_begin ? (k_end - k_begin + kDecodeMmaBc - 1) / kDecodeMmaBc : 0;
 
+  // The ring's first kStages - 1 tiles (their table entries read and used at once), then the entries of the
+  // next tile to queue: from here on each tile's entries are fetched one loop iteration before its copies.
+  int entry[KVLoadShape<kD>::kRows];
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) load_kv_mma<T, kD>(sK + s * S::kTile, sV + s * S::kTile, p, rows, kvh, k_begin + s * kDecodeMmaBc,
-                                        k_end);
+    if (s < n_tiles) {
+      fetch_pages<kD>(entry, rows, k_begin + s * kDecodeMmaBc, k_end);
+      load_kv_mma<T, kD>(sK + s * S::kTile, sV + s * S::kTile, p, rows, kvh, k_begin + s * kDecodeMmaBc, k_end, entry);
+    }
     cp_async_commit();
   }
+  fetch_pages<kD>(entry, rows, k_begin + (kStages - 1) * kDecodeMmaBc, k_end);
 
   // Q rows of the chunk (zero past m_rows and d): few bytes, plain loads (q's rows need no alignment).
   const T* gq = static_cast<const T*>(a.q);
@@ -197,7 +229,8 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       const int tp = t + kStages - 1;
       if (tp < n_tiles) {
         load_kv_mma<T, kD>(sK + (tp % kStages) * S::kTile, sV + (tp % kStages) * S::kTile, p, rows, kvh,
-                           k_begin + tp * kDecodeMmaBc, k_end);
+                           k_begin + tp * kDecodeMmaBc, k_end, entry);
+        fetch_pages<kD>(entry, rows, k_begin + (tp + 1) * kDecodeMmaBc, k_end);  // consumed next iteration
       }
       cp_async_commit();
     }
@@ -297,7 +330,8 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
   __syncthreads();
 
   // Combine the key slices of each row (merge_states' rule; with one split the sink joins here as a part
-  // of weight exp2(sink) and no output) and store: o and lse, or the float32 partials merge_states reads.
+  // of weight exp2(sink) and no output) and store: o and lse, or the float32 partials that the chunk's last
+  // split block merges (merge_if_last, decode.cu).
   const long long rows_total = static_cast<long long>(a.batch) * a.hq * a.nq;
   for (int e = threadIdx.x; e < S::kM * (kD / 2); e += kDecodeMmaThreads) {
     const int r = e / (kD / 2), col = (e - r * (kD / 2)) * 2, row = m0 + r;
@@ -332,6 +366,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       if (col == 0) p.lse_part[prow] = lse;
     }
   }
+  if (gridDim.z > 1) merge_if_last<T, kD>(p, b, kvh, m0, S::kM);
 }
 
 }  // namespace cupyflash

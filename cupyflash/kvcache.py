@@ -138,20 +138,24 @@ ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_tabl
 
 #: Pointers written per call into the append and decode launches' DecodeParams (rotary ones only with rotary).
 CALL_POINTERS = ("attn.q", "attn.o", "attn.lse", "attn.alibi", "attn.sinks", "k_new", "v_new", "k_cache", "v_cache",
-                 "cache_seqlens", "block_table", "cache_batch_idx", "o_part", "lse_part")  # fmt: skip
+                 "cache_seqlens", "block_table", "cache_batch_idx", "o_part", "lse_part", "split_count")  # fmt: skip
 ROTARY_POINTERS = ("rotary_cos", "rotary_sin", "q_rot")
 
-_workspace: dict[tuple, tuple[Any, Any]] = {}
+_workspace: dict[tuple, tuple[Any, Any, Any]] = {}
 
 
 class _Prepared:
     """A checked signature made ready for repeated calls: the problem, its plan, the static DecodeParams bytes,
-    and the launches (``build.Launch``, each with its own argument buffer; the merge as ``decode.MergeLaunch``)
-    whose pointers are written in place per call. The split-KV workspace is looked up once per stream."""
+    the output layout, and the launches (``build.Launch``, each with its own argument buffer) whose pointers are
+    written in place per call. Split partials are merged inside the decode launch (its last block per row chunk),
+    so a call queues at most three kernels (rotate, append, decode). The split-KV workspace is looked up once per
+    stream."""
 
-    __slots__ = ("p", "plan", "record", "rotate", "append", "decode", "merge", "pointers", "write_const", "workspace")
+    __slots__ = ("p", "plan", "record", "rotate", "append", "decode", "pointers", "write_const", "workspace",
+                 "outputs")  # fmt: skip
 
     def __init__(self, p: KVCacheProblem, plan: Any, record: np.ndarray):
+        from .cuda_backend import _output_layout
         from .kernels import build, decode
 
         self.p, self.plan, self.record = p, plan, record
@@ -159,7 +163,7 @@ class _Prepared:
         names = CALL_POINTERS + (ROTARY_POINTERS if rotary else ())
         self.pointers = decode.PointerWriter(names)
         self.write_const = decode.write_seqlen_const  # an int cache_seqlens, per call
-        self.rotate = self.append = self.merge = None
+        self.rotate = self.append = None
         base = record.tobytes()
         if rotary:  # rotate_q reads q as given; the decode kernel reads the rotated dense copy
             self.rotate = build.Launch(plan.rotate_q, base)
@@ -169,33 +173,50 @@ class _Prepared:
         if plan.append is not None:
             self.append = build.Launch(plan.append, base)
         self.decode = build.Launch(plan.decode, base)
-        if plan.splits > 1:
-            rows = p.batch * p.hq * p.nq
-            self.merge = decode.MergeLaunch(_FLOAT32, p.dtype, rows, plan.splits, p.d, p.nq, p.hq)
-        self.workspace: dict[int, tuple[int, int, Any]] = {}  # stream -> (o_part, lse_part pointers, arrays)
+        # o, lse (and rotary's q_rot) from one pool allocation when small: the host path of a decode step counts
+        shape = (p.batch, p.hq, p.nq, p.d)
+        self.outputs = _output_layout([(shape, p.dtype), (shape[:3], _FLOAT32)] + ([(shape, p.dtype)] if rotary else []))
+        self.workspace: dict[int, tuple[int, int, int, Any]] = {}  # stream -> (o_part, lse_part, split_count, arrays)
 
-    def workspace_for(self, stream: int) -> tuple[int, int]:
-        """The split-KV partials' pointers on ``stream`` (0, 0 without splits): static size, cached per device,
-        stream and shape, so a captured CUDA graph keeps using the same memory."""
+    def workspace_for(self, stream: int) -> tuple[int, int, int]:
+        """The split-KV partials' and arrival counters' pointers on ``stream`` (zeros without splits): static size,
+        cached per device, stream and shape, so a captured CUDA graph keeps using the same memory. The counters
+        start at zero and every launch leaves them at zero (the merging block resets its own), so they are shared
+        by the calls queued on one stream one after another."""
         got = self.workspace.get(stream)
         if got is None:
-            if self.merge is None:
-                got = (0, 0, None)
+            if self.plan.splits == 1:
+                got = (0, 0, 0, None)
             else:
                 import cupy
 
                 pl, rows = self.plan, self.p.batch * self.p.hq * self.p.nq
-                wkey = (cupy.cuda.runtime.getDevice(), stream, pl.splits, rows, self.p.d)
+                chunks = self.p.batch * self.p.hk * pl.m_chunks
+                wkey = (cupy.cuda.runtime.getDevice(), stream, pl.splits, rows, self.p.d, chunks)
                 ws = _workspace.get(wkey)
                 if ws is None:
                     ws = _workspace[wkey] = (cupy.empty((pl.splits, rows, self.p.d), _FLOAT32),
-                                             cupy.empty((pl.splits, rows), _FLOAT32))  # fmt: skip
-                got = (ws[0].data.ptr, ws[1].data.ptr, ws)
+                                             cupy.empty((pl.splits, rows), _FLOAT32),
+                                             cupy.zeros((chunks,), np.int32))  # fmt: skip
+                got = (ws[0].data.ptr, ws[1].data.ptr, ws[2].data.ptr, ws)
             self.workspace[stream] = got
-        return got[0], got[1]
+        return got[0], got[1], got[2]
 
 
 _prepared: dict[tuple, _Prepared] = {}
+
+_backend_module: Any = None
+
+
+def _backend() -> Any:
+    """cuda_backend (its array keys and output allocation), imported once: a ``from`` import inside the per-call
+    path costs microseconds each call (importlib's fromlist handling), which a decode step's host path counts."""
+    global _backend_module
+    if _backend_module is None:
+        from . import cuda_backend
+
+        _backend_module = cuda_backend
+    return _backend_module
 
 # A signature's launches share their argument buffers: one thread writes and queues them at a time.
 _launching = threading.Lock()
@@ -206,8 +227,8 @@ def _signature(arrays: tuple, scalars: tuple) -> tuple | None:
     the device), or None for calls that are not all CuPy (not cached). ``arrays`` in ``ARRAY_NAMES`` order,
     ``scalars`` = (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens
     enters by kind only: its value is range-checked per call, so a decode loop does not grow the cache."""
-    from .cuda_backend import _array_key, _key_of
-
+    backend = _backend()
+    _array_key, _key_of = backend._array_key, backend._key_of
     seqlens = arrays[5]
     int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
     keys: list[Any] = []
@@ -281,20 +302,18 @@ def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any,
     import cupy
 
     p = prep.p
-    o = cupy.empty((p.batch, p.hq, p.nq, p.d), dtype=p.dtype)
-    lse = cupy.empty((p.batch, p.hq, p.nq), dtype=_FLOAT32)
+    o, lse, *rest = _backend()._empty_outputs(prep.outputs)
     if o.size == 0:
         return o, lse
     stream = cupy.cuda.get_current_stream().ptr
-    o_part, lse_part = prep.workspace_for(stream)
+    o_part, lse_part, split_count = prep.workspace_for(stream)
     o_ptr, lse_ptr, sinks_ptr = o.data.ptr, lse.data.ptr, _ptr(sinks)
     const = p.seqlen_const is not None
     values: tuple[int, ...] = (q.data.ptr, o_ptr, lse_ptr, _ptr(alibi), sinks_ptr, _ptr(k), _ptr(v), k_cache.data.ptr,
                                v_cache.data.ptr, 0 if const else cache_seqlens.data.ptr, _ptr(block_table),
-                               _ptr(cache_batch_idx), o_part, lse_part)  # fmt: skip
-    q_rot = None
-    if prep.rotate is not None:
-        q_rot = cupy.empty(o.shape, dtype=p.dtype)
+                               _ptr(cache_batch_idx), o_part, lse_part, split_count)  # fmt: skip
+    q_rot = rest[0] if rest else None
+    if q_rot is not None:
         values += (rotary_cos.data.ptr, rotary_sin.data.ptr, q_rot.data.ptr)
     with _launching:
         if q_rot is not None:  # rotate_q reads q as given; append and decode read the rotated dense copy
@@ -310,6 +329,4 @@ def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any,
             if const:
                 prep.write_const(launch.buffer, int(cache_seqlens))
             launch.fire(stream)
-        if prep.merge is not None:
-            prep.merge.fire(stream, (o_part, lse_part, o_ptr, lse_ptr, sinks_ptr))
     return o, lse

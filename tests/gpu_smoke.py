@@ -98,6 +98,23 @@ def main() -> int:
                 print(f"decode {kernel:4s} {str(dtype):8s} page={page} nq={nq} d={d} splits={splits} {label}: "
                       f"{'ok' if finite else 'NON-FINITE'}")
                 bad += not finite
+    # Decode v3: many splits merged inside the decode launch (40 > 32: the merge hands out split weights in two
+    # rounds) on a page-size-1 cache (block-table entries fetched a tile ahead), then hostile lengths and tables.
+    for kernel, dtype in [("mma", _dtypes.BFLOAT16), ("fma", np.dtype(np.float32))]:
+        b, hq, hk, cap, d = 2, 8, 2, 64 * 40, 128
+        kc = cupy.asarray(rng.standard_normal((b * cap + 3, hk, 1, d)).astype(dtype))
+        vc = cupy.asarray(rng.standard_normal((b * cap + 3, hk, 1, d)).astype(dtype))
+        table = cupy.asarray(rng.permutation(b * cap + 3)[: b * cap].reshape(b, cap).astype(np.int32))
+        q = cupy.asarray(rng.standard_normal((b, hq, 1, d)).astype(dtype))
+        sinks = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
+        for label, lens, tab in (("ok", np.array([cap - 1, 700], np.int32), table),
+                                 ("hostile", np.array([-9, 2**30], np.int32),
+                                  cupy.asarray(rng.integers(-2**20, 2**20, size=(b, cap)).astype(np.int32)))):
+            o, lse = cupyflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cupy.asarray(lens), block_table=tab,
+                                                      sinks=sinks, num_splits=40, kernel=kernel)  # fmt: skip
+            finite = bool(cupy.isfinite(o.astype(np.float32)).all())
+            print(f"decode {kernel:4s} {str(dtype):8s} page=1 splits=40 {label}: {'ok' if finite else 'NON-FINITE'}")
+            bad += not finite
     cupy.cuda.Device().synchronize()
     return 1 if bad else 0
 

@@ -483,25 +483,25 @@ def test_decode_kernels_take_one_struct():
         assert len(params) == 1 and int(params[0][1]) == decode.DECODE_PARAMS.itemsize, f"{name}: {head}"
 
 
-def _host_stand_ins(monkeypatch) -> tuple[list, list]:
+def _host_stand_ins(monkeypatch) -> list:
     """The KV-cache host path on host stand-ins (H100 limits, host arrays): the struct-argument launches recorded
-    as (plan, argument bytes), the merges as their arguments by name."""
+    as (plan, argument bytes)."""
     import cupy
     from test_launch_abi import _empty
 
-    from cupyflash import kvcache, plans
-    from cupyflash.kernels import build, decode
+    from cupyflash import cuda_backend, kvcache, plans
+    from cupyflash.kernels import build
 
-    seen, merges = [], []
+    seen = []
     monkeypatch.setattr(build.Launch, "fire", lambda self, stream: seen.append((self.plan, bytes(self.buffer))))
-    monkeypatch.setattr(decode.MergeLaunch, "fire", lambda self, stream, pointers: merges.append(
-        dict(zip(decode.MERGE_ARGS, (*pointers, *self.sizes)))))  # fmt: skip
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
     monkeypatch.setattr(cupy, "empty", _empty)
+    monkeypatch.setattr(cupy, "zeros", _empty)
+    monkeypatch.setattr(cuda_backend, "_empty_outputs", lambda layout: [_empty(s, dt) for s, dt, *_ in layout[1]])
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: type("S", (), {"ptr": 0})())
     monkeypatch.setattr(kvcache, "_workspace", {})  # host stand-ins must not stay in the device workspace cache
-    return seen, merges
+    return seen
 
 
 def test_host_path_fills_decode_params(monkeypatch):
@@ -511,7 +511,7 @@ def test_host_path_fills_decode_params(monkeypatch):
     from cupyflash import kvcache
     from cupyflash.kernels import decode
 
-    seen, merges = _host_stand_ins(monkeypatch)
+    seen = _host_stand_ins(monkeypatch)
     dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
     b, hq, hk, nq, d, page, per_seq = 2, 8, 2, 3, 64, 16, 16
     q = dev(np.zeros((b, hq, nq, d), np.float16))
@@ -539,11 +539,14 @@ def test_host_path_fills_decode_params(monkeypatch):
     assert (a["hq"], a["hk"], a["group"], a["nq"], a["nk"], a["d"]) == (hq, hk, 4, nq, page * per_seq, d)
     assert a["sinks"] == sinks.ctypes.data and a["q"] == q.ctypes.data
     assert a["o"] == o.ctypes.data and a["lse"] == lse.ctypes.data
-    assert split.grid[2] > 1 and len(merges) == 1  # several splits are merged (the sink joins there)
-    m = merges[0]
-    assert (m["o"], m["lse"], m["sinks"]) == (o.ctypes.data, lse.ctypes.data, sinks.ctypes.data)
-    assert (m["o_parts"], m["lse_parts"]) == (rec["o_part"], rec["lse_part"]) and rec["o_part"] != 0
-    assert (m["rows"], m["parts"], m["d"], m["nq"], m["hq"]) == (b * hq * nq, split.grid[2], d, nq, hq)
+    # Several splits, merged inside the decode launch (decode v3): no third launch; the partials and the arrival
+    # counters (zero: every launch leaves them so) come from the stream's workspace.
+    assert split.grid[2] > 1 and len(seen) == 2
+    assert rec["o_part"] != 0 and rec["lse_part"] != 0 and rec["split_count"] != 0
+    ws = next(w for w in kvcache._workspace.values())
+    assert (rec["o_part"], rec["lse_part"], rec["split_count"]) == tuple(x.ctypes.data for x in ws)
+    assert ws[0].shape == (split.grid[2], b * hq * nq, d) and ws[2].shape == (b * split.grid[1],)
+    assert ws[2].dtype == np.int32 and not ws[2].any()
     # A second call with other arrays reuses the launches: only the pointers differ, written in place.
     q2, kn2, lens2 = dev(np.zeros_like(q)), dev(np.zeros_like(kn)), dev(np.array([1, 2], np.int32))
     arrays2 = dict(arrays, q=q2, k=kn2, v=kn2, cache_seqlens=lens2)
@@ -560,7 +563,6 @@ def test_host_path_fills_decode_params(monkeypatch):
             assert rec2[name] == rec[name], name
     same = [n for n in decode.PARAMS.names if n not in ("q", "o", "lse")]
     assert all(np.all(rec2["attn"][n] == a[n]) for n in same)
-    assert merges[1]["o"] == o2.ctypes.data
 
 
 def test_host_path_int_seqlens_and_rotary(monkeypatch):
@@ -571,7 +573,7 @@ def test_host_path_int_seqlens_and_rotary(monkeypatch):
     from cupyflash import kvcache
     from cupyflash.kernels import decode
 
-    seen, _ = _host_stand_ins(monkeypatch)
+    seen = _host_stand_ins(monkeypatch)
     dev = lambda x: np.ascontiguousarray(x).view(_DeviceArray)  # noqa: E731
     b, hq, hk, nq, d, cap = 2, 4, 2, 1, 64, 128
     qkv = dev(np.zeros((b, nq, 3, hq, d), np.float16))  # q a strided view
@@ -642,21 +644,3 @@ def test_bench_suite_decode_arguments():
     assert _decode_args(["--suite", "decode", "--json", "x.json"]) == ["--json", "x.json"]
     assert _decode_args(["--suite=decode", "--quick"]) == ["--quick"]
     assert _decode_args(["--suite", "grid"]) is None
-
-
-@needs_nvrtc
-def test_merge_launch_packs_what_the_kernel_declares():
-    """MergeLaunch's argument codes (build.ArgsLaunch) match merge_states' parameters one by one, in size."""
-    import struct
-
-    from test_launch_abi import _ptx
-
-    from cupyflash.kernels import decode
-
-    name = decode.merge_name(np.dtype(np.float32), np.dtype(np.float16))
-    ptx, lowered = _ptx(decode.SOURCE, [name])
-    head = ptx[ptx.index(f".entry {lowered[name]}(") :]
-    head = head[: head.index(")")]
-    want = [int(m.group(1)) // 8 for m in re.finditer(r"\.param \.[a-z]+?(\d+) ", head)]
-    assert [struct.calcsize(c) for c in decode._MERGE_CODES] == want
-    assert len(decode.MERGE_ARGS) == len(want)

@@ -34,9 +34,12 @@ if HAS_GPU:
 
 def _poison(*shapes_dtypes):
     """Hand the memory pool NaN-filled blocks of these byte sizes, so the next allocations of the same sizes
-    (the outputs) start as NaN."""
-    blocks = [cupy.full(max(1, int(np.prod(s)) * np.dtype(dt).itemsize // 4), np.nan, dtype=np.float32)
-              for s, dt in shapes_dtypes]  # fmt: skip
+    (the outputs) start as NaN; also blocks of their sum (256-byte aligned parts), with and without a last part
+    repeated (rotary's q_rot): small outputs come from one allocation (cuda_backend._output_layout)."""
+    sizes = [max(1, int(np.prod(s)) * np.dtype(dt).itemsize) for s, dt in shapes_dtypes]
+    aligned = [-(-n // 256) * 256 for n in sizes]
+    sizes += [sum(aligned), sum(aligned) + aligned[0]]
+    blocks = [cupy.full(-(-n // 4), np.nan, dtype=np.float32) for n in sizes]
     del blocks
 
 

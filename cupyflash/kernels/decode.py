@@ -36,7 +36,8 @@ DECODE_PARAMS = np.dtype(
     + [("bt_stride", "<i8")]
     + [(n, "<i4") for n in ("n_new", "page_size", "num_pages", "pages_per_seq", "seqlen_const", "m_rows")]
     + [(n, "<u8") for n in ("rotary_cos", "rotary_sin", "q_rot")]
-    + [(n, "<i4") for n in ("rotary_dim", "rotary_interleaved", "rotary_rows", "rotary_q_step")],
+    + [(n, "<i4") for n in ("rotary_dim", "rotary_interleaved", "rotary_rows", "rotary_q_step")]
+    + [("split_count", "<u8")],  # decode v3: the in-launch merge's arrival counters
     align=True,
 )
 
@@ -250,30 +251,9 @@ def write_seqlen_const(buffer: Any, value: int) -> None:
     _INT32.pack_into(buffer, SEQLEN_CONST_AT, value)
 
 
-#: merge_states' parameters in order: the five pointers, then the sizes (MergeLaunch.sizes).
-MERGE_ARGS = ("o_parts", "lse_parts", "o", "lse", "sinks", "rows", "parts", "d", "nq", "hq")
-_MERGE_CODES = "QQQQQqiiii"  # build.ArgsLaunch codes of MERGE_ARGS
-
-
 def merge_plan(tin: np.dtype, tout: np.dtype, rows: int) -> LaunchPlan:
     """merge_states over ``rows`` dense rows: one warp per row."""
     return LaunchPlan(SOURCE, merge_name(tin, tout), (cdiv(rows, THREADS // 32), 1, 1), (THREADS, 1, 1), 0)
-
-
-class MergeLaunch:
-    """``merge_states`` over a split-KV workspace made ready for repeated calls: its plan and sizes fixed once,
-    the five pointers given per call and packed with the sizes by ``build.ArgsLaunch``."""
-
-    __slots__ = ("plan", "sizes", "_launch")
-
-    def __init__(self, tin: np.dtype, tout: np.dtype, rows: int, parts: int, d: int, nq: int, hq: int) -> None:
-        self.plan = merge_plan(tin, tout, rows)
-        self.sizes = (np.int64(rows), np.int32(parts), np.int32(d), np.int32(nq), np.int32(hq))
-        self._launch = build.ArgsLaunch(self.plan, _MERGE_CODES)
-
-    def fire(self, stream: int, pointers: tuple[int, int, int, int, int]) -> None:
-        """Queue the merge on ``stream``; ``pointers``: (o_parts, lse_parts, o, lse, sinks or 0)."""
-        self._launch.fire(stream, (*pointers, *self.sizes))
 
 
 # ---------------------------------------------------------------------------- launches
