@@ -64,9 +64,9 @@ __device__ __forceinline__ TileCoord dq_grid_coord(const AttentionParams& p) {
 // varlen), so the key tiles a block waits on (larger ones) have the smaller block indices. Varlen's "past"
 // tile (tile P of 2P + 1) maps to itself.
 __device__ __forceinline__ TileCoord dq_key_tile_coord(const AttentionParams& p, int tile) {
-  if (p.dq_turns == nullptr) return key_tile_coord(p, tile);
-  TileCoord c = varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk, dq_grid_coord(p));
-  c.tile = c.n_tiles - 1 - c.tile;
+  const bool turns = p.dq_turns != nullptr;  // one varlen mapping for both orders (code size at 255 registers)
+  TileCoord c = varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk, turns ? dq_grid_coord(p) : tile_coord(p));
+  if (turns) c.tile = c.n_tiles - 1 - c.tile;
   return c;
 }
 
