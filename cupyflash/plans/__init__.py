@@ -24,7 +24,7 @@ def dq_head_group(heads: int, sm_count: int, longest_first: bool, heads_first: b
     cuda_src/dq_turns.cuh). Its ordered dQ turns make the t-th of a head's key tiles that start their walks
     at the same query tile together wait t steps: every key tile without a causal-like mask. About an SM count
     / 4 heads at a time keeps a few key tiles per head in flight, started a step apart as earlier blocks
-    finish (a simulation in tests/test_deterministic.py: 0.71-0.89 of the steps busy with tiles fastest, 0.94-1.0
+    finish (a simulation in tests/test_deterministic.py: 0.71-0.89 of the steps busy with tiles fastest, 0.98-1.0
     with this). Under a triangle (``longest_first``) no key tile waits in either order: the plan's own."""
     if longest_first:
         return heads if heads_first else 1
