@@ -108,6 +108,10 @@ struct AttentionParams {
   // dbias stores (issue 17 speed): 1 when no (b, h, q, k) of the problem shares a dbias element (the bias is
   // not broadcast): dbias is then the output itself, in the bias's dtype, and each dS is stored, not added.
   int dbias_direct;
+
+  // Deterministic backward (issue 16, turns v2): heads per group of the key-major kernels' grid order while
+  // dq_turns is set (dq_turns.cuh, dq_grid_coord); 0 or 1 = tiles fastest.
+  int dq_head_group;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest
@@ -197,9 +201,9 @@ __device__ __forceinline__ int varlen_sequence_of(const int* cu, int batch, int 
 // packed rows and max_seqlen): dense calls as tile_coord; varlen calls get bh = b * heads + h, the tile
 // inside sequence b and b's tile count, or, for a virtual tile b does not use, a tile past every sequence
 // (past its n_tiles too, so kernels counting tiles down from n_tiles - 1 also land past the end).
+// `c` is the block's (head axis, grid tile) in the grid order in use (tile_coord's, or dq_grid_coord's).
 __device__ __forceinline__ TileCoord varlen_tile_coord(const AttentionParams& p, int tile, const int* cu, int total,
-                                                       int longest) {
-  TileCoord c = tile_coord(p);
+                                                       int longest, TileCoord c) {
   if (p.cu_seqlens_q == nullptr) return c;  // uniform: dense calls pay one test
   const int b = varlen_sequence_of(cu, p.batch, total, tile, c.tile);
   const int r0 = min(max(reread(cu, b), 0), total);
@@ -212,6 +216,10 @@ __device__ __forceinline__ TileCoord varlen_tile_coord(const AttentionParams& p,
     return {c.bh, past, 2 * past + 1};
   }
   return {c.bh, local, n};
+}
+__device__ __forceinline__ TileCoord varlen_tile_coord(const AttentionParams& p, int tile, const int* cu, int total,
+                                                       int longest) {
+  return varlen_tile_coord(p, tile, cu, total, longest, tile_coord(p));
 }
 
 // Grids over query tiles (forwards, the dQ pass) and over key tiles (the backward's dK/dV kernels).

@@ -1,15 +1,27 @@
 // Deterministic dQ (issue 16): ordered turns on the f32 dQ accumulator.
 //
 // A backward block owns one key tile K_j and adds dS K_j into dQ_i for every query tile it visits. With
-// `p.dq_turns` set, those adds to one (batch, query head, query tile) slot happen in the order of the key
-// tiles, whatever the scheduling: the key tile with turn t (t-th key tile that visits Q_i) waits until the
-// slot's counter reads t, adds, and passes the turn on. Floating-point addition then happens in one fixed
-// order, so dQ is bitwise reproducible. A block only ever waits on blocks of the same head with a smaller
-// key tile, which have a smaller linear block index in both grid orders (tile_coord), so the hardware has
-// started them before it and they never wait on it: no deadlock.
+// `p.dq_turns` set, those adds to one (batch, query head, query tile) slot happen in a fixed order of the key
+// tiles, whatever the scheduling: the key tile with turn t waits until the slot's counter reads t, adds, and
+// passes the turn on. Floating-point addition then happens in one fixed order, so dQ is bitwise reproducible.
 //
-// The key tiles that visit Q_i are a contiguous run starting at the tile of keys_of(Q_i).begin (masks are
-// bands); tests/test_deterministic.py checks that against queries_of for every built-in mask.
+// The order is DESCENDING key tile (the diagonal's first). The key tiles that visit Q_i are a contiguous run
+// [s, e) (masks are bands; e - 1 = the tile of keys_of(Q_i).end - 1), and every kernel walks a key tile's
+// query tiles upward from the first one it sees (queries_of(K_j).begin, which grows with j). So on Q_i the
+// key tile with the latest start arrives first: under causal K_i reaches Q_i at its step 0, K_{i-1} at step
+// 1, ..., and the descending turn order is the order of arrival: with a head's key tiles running together
+// nobody waits (with Br > Bc, Br / Bc key tiles share each first query tile and the last query tile takes
+// all T adds one after another, so some waits remain). Non-causal has every key tile start at Q_0: with a
+// fixed order the t-th of key tiles that start together waits t steps there (a pipeline fill, whatever the
+// order), so the grid order (dq_grid_coord) keeps few key tiles of a head starting together.
+//
+// No deadlock: a block only ever waits on blocks of the same head with a LARGER key tile. With dq_turns set,
+// dq_key_tile_coord reverses the grid's key-tile axis (grid tile t works on key tile n_tiles - 1 - t, per
+// sequence when varlen), and in its grid order (dq_grid_coord) a head's grid tiles grow with the linear block
+// index, so those blocks have smaller linear block indices: the hardware has started them before this one
+// (blocks start in linear order), and by induction on that index they finish without waiting on it.
+// tests/test_deterministic.py checks the runs against queries_of for every built-in mask and simulates the
+// turns (each taken exactly once, no deadlock with few blocks resident, the waits predicted above).
 #pragma once
 #include "attention_params.cuh"
 #include "attention_policy.cuh"
@@ -24,10 +36,38 @@ __device__ __forceinline__ int* dq_turn_slot(const AttentionParams& p, int b, in
   return p.dq_turns + (static_cast<long long>(b) * p.hq + h) * tiles + i0 / Br;
 }
 
-// This key tile's turn on query tile [i0, i0 + Br): how many key tiles of Bc keys before it visit it.
+// This key tile's turn on query tile [i0, i0 + Br): how many key tiles of Bc keys after it visit it.
 template <int Br, int Bc, class Mask>
 __device__ __forceinline__ int dq_turn_of(const Mask& mask, int i0, int j0) {
-  return j0 / Bc - mask.keys_of(i0, i0 + Br).begin / Bc;
+  return (mask.keys_of(i0, i0 + Br).end - 1) / Bc - j0 / Bc;
+}
+
+// The deterministic backward's grid order: heads in groups of p.dq_head_group, each group's blocks grid tile
+// by grid tile with its heads fastest (1: tiles fastest; every head: heads fastest), whichever grid axis
+// holds the heads (p.heads_fastest). Within a head the grid tile grows with the linear block index, as in
+// tile_coord's orders. A few heads at a time, each with a few key tiles in flight, start those key tiles a
+// step apart as earlier blocks finish (non-causal turns cost a pipeline fill only where a head's key tiles
+// start together; benchmarks/NOTES.md, "Deterministic turns v2").
+__device__ __forceinline__ TileCoord dq_grid_coord(const AttentionParams& p) {
+  const int heads = static_cast<int>(p.heads_fastest ? gridDim.x : gridDim.y);
+  const int tiles = static_cast<int>(p.heads_fastest ? gridDim.y : gridDim.x);
+  const long long lin = blockIdx.x + static_cast<long long>(blockIdx.y) * gridDim.x;
+  const int per = max(1, min(p.dq_head_group, heads));
+  const int h0 = static_cast<int>(lin / (static_cast<long long>(per) * tiles)) * per;  // the group's first head
+  const int n = min(per, heads - h0);                                                // heads in this group
+  const long long r = lin - static_cast<long long>(h0) * tiles;                      // in [0, n * tiles)
+  return {h0 + static_cast<int>(r % n), static_cast<int>(r / n), tiles};
+}
+
+// key_tile_coord for the backward's key-major kernels; when the backward is deterministic, in dq_grid_coord's
+// order with the key-tile axis reversed (grid tile t works on key tile n_tiles - 1 - t, per sequence when
+// varlen), so the key tiles a block waits on (larger ones) have the smaller block indices. Varlen's "past"
+// tile (tile P of 2P + 1) maps to itself.
+__device__ __forceinline__ TileCoord dq_key_tile_coord(const AttentionParams& p, int tile) {
+  const bool turns = p.dq_turns != nullptr;  // one varlen mapping for both orders (code size at 255 registers)
+  TileCoord c = varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk, turns ? dq_grid_coord(p) : tile_coord(p));
+  if (turns) c.tile = c.n_tiles - 1 - c.tile;
+  return c;
 }
 
 // The same, with the mask built here from sequence b's lengths (re-read, so no register is held through the
@@ -39,9 +79,10 @@ __device__ __forceinline__ int dq_turn_at(const AttentionParams& p, const int* s
   return dq_turn_of<Br, Bc>(Mask(p, s.nq, s.nk), i0, j0);
 }
 
-// Every thread of the block calls both (they hold __syncthreads); thread 0 spins and signals.
+// Every thread of the block calls both with the same turn (they hold __syncthreads); thread 0 spins and
+// signals.
 __device__ __forceinline__ void dq_turn_wait(const int* slot, int turn) {
-  if (slot == nullptr) return;
+  if (slot == nullptr || turn == 0) return;  // the first turn follows only the launch's zeroing of the counters
   if (threadIdx.x == 0) {
 #if __CUDA_ARCH__ >= 700
     int seen;
@@ -61,15 +102,18 @@ __device__ __forceinline__ void dq_turn_wait(const int* slot, int turn) {
 
 __device__ __forceinline__ void dq_turn_pass(int* slot, int turn) {
   if (slot == nullptr) return;
-  __threadfence();  // this thread's adds are visible before the next turn starts
+#if __CUDA_ARCH__ >= 700
+  // The barrier orders every thread's adds before thread 0's release, which is cumulative at gpu scope: the
+  // next turn's acquire sees them all. (A fence per thread would wait out each thread's reductions first.)
   __syncthreads();
   if (threadIdx.x == 0) {
-#if __CUDA_ARCH__ >= 700
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(slot), "r"(turn + 1) : "memory");
-#else
-    *reinterpret_cast<volatile int*>(slot) = turn + 1;
-#endif
   }
+#else
+  __threadfence();  // this thread's adds are visible before the next turn starts
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(slot) = turn + 1;
+#endif
 }
 
 }  // namespace cupyflash

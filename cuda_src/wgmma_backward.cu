@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   T* const sdO = reinterpret_cast<T*>(at(sdO_u));
   float* const sStat = reinterpret_cast<float*>(at(sStat_u));
 
-  const TileCoord tc = key_tile_coord(p, Bc);  // (batch * kv heads, key tile)
+  const TileCoord tc = dq_key_tile_coord(p, Bc);  // (batch * kv heads, key tile; reversed when deterministic)
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;

@@ -135,6 +135,31 @@ def test_api_with_sinks_is_reproducible(kernel, rng):
         assert rel_err(x, r) <= tol, name
 
 
+# Turns v2 (cuda_src/dq_turns.cuh): descending turns on a reversed key-tile axis (every case above), and the
+# grouped-heads grid order (dq_grid_coord) that non-causal problems get once B*Hk passes an SM count / 4:
+# one full group and a partial one here. (kernel, dtype, D) reuse instantiations compiled above.
+GROUPED = [
+    ("portable", "float32", 64),
+    ("mma", "float16", 64),  # the key-major kernel
+    ("mma", "bfloat16", 128),  # the 2-D kernel
+    pytest.param("wgmma", "bfloat16", 64, marks=_needs_hopper),
+]
+
+
+@pytest.mark.parametrize("kernel, dtype, d", GROUPED)
+@pytest.mark.parametrize("window", [None, (100, -1)], ids=["nomask", "window-unbounded-right"])
+def test_grouped_heads_grid_order_is_reproducible(kernel, dtype, d, window, rng):
+    from cupyflash.plans import DeviceLimits, dq_head_group
+
+    sm = DeviceLimits.current().sm_count
+    kv_heads = sm // 4 + 7  # B * Hk: groups of sm // 4 heads, the last one partial
+    assert 1 < dq_head_group(kv_heads, sm, longest_first=False, heads_first=False) < kv_heads
+    q, k, v = random_qkv(rng, (kv_heads,), 2, 1, 200, 328, d, DTYPES[dtype])
+    do = rng.standard_normal(q.shape).astype(DTYPES[dtype])
+    o, lse, grads = _repeat_backward(kernel, q, k, v, do, False, window)
+    _check_accuracy(dtype, q, k, v, do, o, lse, grads, False, window)
+
+
 def test_deterministic_refuses_bias_grad_before_launch(rng):
     """dbias is summed by float atomics: deterministic=True with bias_grad=True says so instead of breaking the
     promise (nothing launches: the gradients' memory is never touched)."""

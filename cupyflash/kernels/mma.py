@@ -51,7 +51,7 @@ def backward_plan(
 ) -> CallPlan:
     plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant,
                                total=p.total_k if p.varlen else None)  # fmt: skip
-    return backward_call(plan, p, g, deterministic)
+    return backward_call(plan, p, g, deterministic, limits.sm_count)
 
 
 # Entry points with given outputs, for tests and benchmarks (the API goes through cuda_backend's cache).

@@ -75,6 +75,8 @@ PARAMS = np.dtype(
         ("bm_hb", "<i4"),
         # dbias stores (issue 17 speed): 1 = dbias is the output, one element per pair (no atomics)
         ("dbias_direct", "<i4"),
+        # deterministic backward (issue 16, turns v2): heads per group of the key-major grid order
+        ("dq_head_group", "<i4"),
     ],
     align=True,
 )

@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from .. import _dtypes
-from ..plans import DeviceLimits
+from ..plans import DeviceLimits, dq_head_group
 from ..plans import portable as plans
 from ..validation import MAX_HEAD_DIM, AttentionProblem
 from .family import CallPlan, Geometry, Scratch, base_params, call_plan, entry_points, scratch_rows
@@ -80,7 +80,11 @@ def backward_plan(
             scratch.append(Scratch("dq_turns", s.b * s.hq * -(-s.nq // plan.kv_tile.cols), zeroed=True))
     # The kv and dq kernels' grids put heads fastest under the same rule (B*Hk <= B*Hq).
     params = base_params(p, g, plans.heads_fastest(s.query_heads), vec=_vec(p, g))
-    kv_params = base_params(p, g, plans.heads_fastest(s.key_heads), vec=_vec(p, g))
+    kv_on_x = plans.heads_fastest(s.key_heads)
+    extra = {}
+    if deterministic and strategy == "atomic":  # the grid order of the ordered turns (cuda_src/dq_turns.cuh)
+        extra["dq_head_group"] = dq_head_group(s.key_heads, limits.sm_count, p.variant.longest_first, kv_on_x)
+    kv_params = base_params(p, g, kv_on_x, vec=_vec(p, g), **extra)
     launches = [(plan.delta, params.to_bytes()), (plan.kv, kv_params.to_bytes()), (plan.dq, params.to_bytes())]
     return CallPlan(tuple(launches), tuple(scratch))
 

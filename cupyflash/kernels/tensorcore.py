@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dtypes
+from ..plans import dq_head_group
 from ..plans.tensorcore import BackwardPlan, ForwardPlan, with_rows
 from ..validation import AttentionProblem
 from .family import CallPlan, Geometry, Scratch, base_params, call_plan, scratch_rows
@@ -20,11 +21,13 @@ def forward_call(plan: ForwardPlan, p: AttentionProblem, g: Geometry) -> CallPla
     return call_plan([plan.main], base_params(p, g, plan.heads_on_x))
 
 
-def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, deterministic: bool = False) -> CallPlan:
+def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, deterministic: bool = False,
+                  sm_count: int = 0) -> CallPlan:  # fmt: skip
     """Delta, the main kernel, the dQ conversion (the wgmma family's main kernel takes the same params), or the
     main kernel alone where it owns dQ (``BackwardPlan.own_dq``).
     ``deterministic``: one zeroed turn counter per (batch, query head, query tile of the main kernel), so
-    the key tiles add into dQ in a fixed order (``cuda_src/dq_turns.cuh``)."""
+    the key tiles add into dQ in a fixed order (``cuda_src/dq_turns.cuh``), in the grid order of
+    ``plans.dq_head_group`` (``sm_count``: the device's)."""
     if p.varlen:  # the per-row launches and scratch cover the packed (Hq, total_q) rows
         plan = with_rows(plan, scratch_rows(p, g))
     if plan.own_dq:  # one key tile per kv head: the main kernel does Delta and dQ (one launch; deterministic)
@@ -32,4 +35,8 @@ def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, determin
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
     if deterministic:
         scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))
-    return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x), scratch)
+    extra = {}
+    if deterministic:
+        heads = plan.main.grid[0] if plan.heads_on_x else plan.main.grid[1]
+        extra["dq_head_group"] = dq_head_group(heads, sm_count, p.variant.longest_first, plan.heads_on_x)
+    return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x, **extra), scratch)

@@ -19,6 +19,18 @@ def grid_heads(batch: int, heads: int, total: int | None = None) -> int:
     return heads if total is not None else batch * heads
 
 
+def dq_head_group(heads: int, sm_count: int, longest_first: bool, heads_first: bool) -> int:
+    """Heads per group of the deterministic backward's key-major grid order (``dq_grid_coord`` in
+    cuda_src/dq_turns.cuh). Its ordered dQ turns make the t-th of a head's key tiles that start their walks
+    at the same query tile together wait t steps: every key tile without a causal-like mask. About an SM count
+    / 4 heads at a time keeps a few key tiles per head in flight, started a step apart as earlier blocks
+    finish (a simulation in tests/test_deterministic.py: 0.71-0.89 of the steps busy with tiles fastest, 0.98-1.0
+    with this). Under a triangle (``longest_first``) no key tile waits in either order: the plan's own."""
+    if longest_first:
+        return heads if heads_first else 1
+    return max(1, min(heads, sm_count // 4))
+
+
 def grid_axes(batch: int, heads: int, n: int, tile: int, total: int | None = None) -> tuple[int, int]:
     """(head axis, tile axis) of a grid over tiles of ``tile`` rows. Dense: B*H heads x ceil(n / tile) tiles.
     Varlen (``total`` packed rows of B sequences): H heads x (total // tile + B) "virtual tiles", which the
