@@ -259,7 +259,7 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
 
 
 def allowance(name: str, arch: str) -> int:
-    if "FlexScore<" in name:
+    if "FlexScore<" in name or "FlexMask<" in name:
         return max((n for prefix, n in FLEX_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     if "ArrayScore<" in name:
         return max((n for prefix, n in ARRAY_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
