@@ -213,7 +213,7 @@ struct FlexMask : BlockMasked<Base> {
     const int bb = p.bm_bb == 1 ? 0 : fb, hb = p.bm_hb == 1 ? 0 : fh;
     const unsigned char* t = p.bm_state + (static_cast<long long>(bb) * p.bm_hb + hb) * p.bm_nqb * nkb;
     // The blocks row by row, one index (a tile spans one or two blocks each way at the usual sizes).
-    const int w = j1 - j0, n = (i1 - i0) * w;
+    const int w = max(j1 - j0, 0), n = max(i1 - i0, 0) * w;  // none past the problem's rows or keys
 #pragma unroll 1
     for (int e = 0; e < n; ++e) {
       if (__ldg(t + (i0 + e / w) * nkb + j0 + e % w) != 2) return false;  // 2: FULL (flex_block_mask.py)
