@@ -4,7 +4,8 @@
 // mask_mod, score_mod, score_grad with the documented names in scope) and compiles one kernel family's source
 // after it; the kernels are instantiated with `Policy<Mask, FlexScore<Base, Fns>>`. Nothing in the kernels
 // knows about snippets: FlexScore is one more score policy, like ArrayScore, because the score hook is the one
-// that knows (b, h) (at_head). Per element, in this order:
+// that knows (b, h) (at_head). With a block mask, mask_mod moves into the mask policy instead (FlexMask, below:
+// only partial tiles evaluate it) and the score keeps score_mod alone (ScoreFns). Per element, in this order:
 //
 //   s = Base(q . k)                     // the built-in rules: scale, softcap, ALiBi (natural units here)
 //   if (!mask_mod(b, h, q, k)) -inf     // ANDed with the built-in causal/window mask, which kernels apply

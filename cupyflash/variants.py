@@ -76,7 +76,7 @@ class Variant:
     @property
     def mask_name(self) -> str:
         base = "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
-        if self.block_mask and self._mask_in_mask():
+        if self._mask_in_mask():
             # mask_mod in the mask policy: tiles of FULL blocks skip it (flex_policy.cuh's FlexMask)
             from .flex import USER
 
