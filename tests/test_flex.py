@@ -300,8 +300,8 @@ def test_block_mask_reference_counts_tiles(rng):
 
 @pytest.mark.parametrize("bs", [16, 32, 48, 64])
 def test_full_tiles_rule(bs, rng):
-    """FlexMask's full-tile decision (BlockMask.full_tiles, the kernels' rule in NumPy) for the kernels' tile and strip
-    shapes: a tile it calls full has every pair inside the problem visible (so skipping mask_mod there is exact),
+    """FlexMask's full-tile decision (BlockMask.full_tiles, the kernels' rule in NumPy) for the kernels' tile and
+    strip shapes: a tile it calls full has every pair inside the problem visible (so skipping mask_mod there is exact),
     and when the tile is made of whole blocks, every tile whose pairs are all visible is called full."""
     nq, nk = 300, 333
     doc = _doc_ids(rng, nk, 4)

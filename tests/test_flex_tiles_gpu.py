@@ -125,3 +125,35 @@ def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
     assert_fa_criterion("o", o, o_ref, n_o, dtype_name, 2)
     for name, x, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, n_g):
         assert_fa_criterion(name, x, r, n, dtype_name, 3)
+
+
+@pytest.mark.parametrize("kernel, dtype_name", [("portable", "float32"), ("mma", "bfloat16"),
+                                                pytest.param("wgmma", "float16", marks=_hopper)])  # fmt: skip
+def test_full_blocks_skip_mask_mod(kernel, dtype_name, rng):
+    """The skip itself: a block mask whose every block claims FULL (its states and ranges overwritten) makes every
+    kernel run no mask_mod at all, so the result is plain causal attention although mask_mod hides most pairs. (The
+    kernels of the causal case above: no new compile.)"""
+    dtype = DTYPES[dtype_name]
+    b, hq, _, nq, nk = SHAPE
+    cpp, _, _ = make_case("causal", rng)
+    q, k, v, do = _inputs(rng, 64, dtype)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    cppd = _dev(cpp)
+    bm = cupyflash.create_block_mask(cppd["mask_mod"], b, hq, nq, nk, aux=cppd["aux"], block_size=64)
+    assert (bm.states != FULL).any()
+    bm.states[...] = FULL
+    bm.kv_range[..., 0], bm.kv_range[..., 1] = 0, bm.states.shape[3]
+    bm.q_range[..., 0], bm.q_range[..., 1] = 0, bm.states.shape[2]
+    o, lse, dq, dk, dv = run_family(kernel, qd, kd, vd, dod, True, cppd, block_mask=bm)
+    o_ref, lse_ref = reference.attention_forward(q, k, v, True)
+    g_ref = reference.attention_backward(do, q, k, v, o_ref, lse_ref, True)[:3]
+    np.testing.assert_allclose(lse, lse_ref, atol=2e-3 if dtype_name != "float32" else 1e-5)
+    if dtype_name == "float32":
+        assert_float32_close("o", o, o_ref, 1e-5)
+        for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref):
+            assert_float32_close(name, x, r, 1e-4)
+        return
+    n_o, *n_g = naive(q, k, v, do, True, {}, dtype)
+    assert_fa_criterion("o", o, o_ref, n_o, dtype_name, 2)
+    for name, x, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, n_g):
+        assert_fa_criterion(name, x, r, n, dtype_name, 3)
