@@ -65,6 +65,9 @@ struct AttentionParams {
   // key blocks that are not empty, and per (b, h, key block) the [first, last) query blocks; int pairs.
   const int* bm_kv;
   const int* bm_q;
+  // Block masks' tile states (issue 17 speed, flex_policy.cuh's FlexMask): uint8 (bm_bb, bm_hb, bm_nqb, bm_nkb),
+  // 0 empty, 1 partial, 2 full; tiles of full blocks skip mask_mod.
+  const unsigned char* bm_state;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 

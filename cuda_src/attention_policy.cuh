@@ -12,6 +12,7 @@
 //   pol.mask.partial(q0, q1, k0, k1)      // does the tile hide some pair? (else no per-element test)
 //   Policy::Score::kIdentity              // scores are scale * q . k (the scale folds into exp2's FFMA)
 //   pol.score.at_head(p, b, h)            // per-head run-time values (ALiBi slope)
+//   mask_at_head(pol.mask, p, b, h)       // ... of a mask that has them (FlexMask); before partial/visible
 //   pol.score.log2_score<kFast>(r, q, k)  // r = q . k -> the final score in log2 units
 //   pol.score.ds_factor<kFast>(P, lse2, q, k)  // d(score)/d(scale * q . k), recomputed from P in the backward
 //   sink_logit(p, h)                      // attention sinks: a per-head logit in every row's softmax
@@ -341,6 +342,21 @@ __device__ __forceinline__ void prefetch_score_arrays(const AttentionParams& p, 
 template <bool kL1, int kRows, int kCols, int kThreads = 32, class Score>
 __device__ __forceinline__ void prefetch_score_arrays(const Score& score, int q0, int k0) {
   if constexpr (HasPrefetch<Score>::value) score.template prefetch<kL1, kRows, kCols, kThreads>(q0, k0);
+}
+
+// Masks that depend on (b, h) (flex_policy.cuh's FlexMask, kPerHead) take the head's values in at_head, which
+// kernels call through mask_at_head next to the score's at_head; the built-in masks do not, and compile to nothing.
+template <class M, class = void>
+struct MaskPerHead {
+  static constexpr bool value = false;
+};
+template <class M>
+struct MaskPerHead<M, decltype(void(M::kPerHead))> {
+  static constexpr bool value = M::kPerHead;
+};
+template <class Mask>
+__device__ __forceinline__ void mask_at_head(Mask& mask, const AttentionParams& p, int b, int h) {
+  if constexpr (MaskPerHead<Mask>::value) mask.at_head(p, b, h);
 }
 
 // Attention sinks: the logit of head h's sink in log2 units (every row's softmax starts from it), or

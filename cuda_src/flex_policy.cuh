@@ -4,7 +4,8 @@
 // mask_mod, score_mod, score_grad with the documented names in scope) and compiles one kernel family's source
 // after it; the kernels are instantiated with `Policy<Mask, FlexScore<Base, Fns>>`. Nothing in the kernels
 // knows about snippets: FlexScore is one more score policy, like ArrayScore, because the score hook is the one
-// that knows (b, h) (at_head). Per element, in this order:
+// that knows (b, h) (at_head). With a block mask, mask_mod moves into the mask policy instead (FlexMask, below:
+// only partial tiles evaluate it) and the score keeps score_mod alone (ScoreFns). Per element, in this order:
 //
 //   s = Base(q . k)                     // the built-in rules: scale, softcap, ALiBi (natural units here)
 //   if (!mask_mod(b, h, q, k)) -inf     // ANDed with the built-in causal/window mask, which kernels apply
@@ -107,6 +108,12 @@ struct FlexScore {
   }
 };
 
+// Fns without its mask_mod: the scores' half of a set of snippets when FlexMask (below) evaluates the mask.
+template <class Fns>
+struct ScoreFns : Fns {
+  static constexpr bool kMask = false;
+};
+
 }  // namespace cupyflash
 
 namespace cupyflash {
@@ -159,6 +166,60 @@ struct BlockMasked {
     }
     const Range out = {max(r.begin, lo >= hi ? 0 : lo * s), min(r.end, lo >= hi ? 0 : hi * s)};
     return out.end > out.begin ? out : Range{0, 0};
+  }
+};
+
+// mask_mod as a mask policy (issue 17 speed): a pair is visible iff Base shows it and mask_mod(b, h, q, k) holds,
+// evaluated where the built-in masks are, in the kernels' mask_strip, which runs only on partial tiles. A tile
+// is partial when Base says so or when some block-mask block it touches is not FULL (create_block_mask's states):
+// tiles made only of FULL blocks skip mask_mod and its aux loads altogether (for a document mask that is nearly
+// every visited tile). A tile covering part of a block takes that block's state (conservative). The ranges stay
+// BlockMasked's (the union over a key-major block's group of heads); visible and partial are those of one
+// (b, h), set by at_head, which every kernel calls next to the score's before asking partial or visible.
+// Pairs outside the problem (q >= nq: a tile's padded rows) are Base's alone: snippets never see them.
+template <class Base, class Fns>
+struct FlexMask : BlockMasked<Base> {
+  static_assert(Fns::kMask, "FlexMask evaluates a mask_mod");
+  static constexpr bool kPerHead = true;  // kernels call at_head (mask_at_head)
+  int fb = 0, fh = 0;  // the global batch index and query head of at_head
+  // Does the tile of the last partial() call touch a block that is not FULL? Only then does visible() run
+  // mask_mod: a tile that is partial for Base alone (the causal diagonal) inside FULL blocks tests Base only.
+  // Every kernel asks partial() for a tile right before its visible() calls; true until then (safe).
+  mutable bool needs_mod = true;
+  __device__ FlexMask(const AttentionParams& p, int nq, int nk) : BlockMasked<Base>(p, nq, nk) {}
+  __device__ __forceinline__ void at_head(const AttentionParams& p, int b_, int h_) {
+    fb = p.dropout_b0 + b_;  // as FlexScore: a launch of one sub-batch starts at dropout_b0
+    fh = h_;
+  }
+  __device__ __forceinline__ bool visible(int q, int k) const {
+    const AttentionParams& p = *this->P;
+    if (!this->base.visible(q, k)) return false;
+    if (!needs_mod || q >= p.nq) return true;
+    int keep = Fns::mask_mod(p, fb, fh, q, k) ? 1 : 0;
+    // As FlexScore: one element's aux loads are used before the next element's are issued.
+    asm volatile("" : "+r"(keep) : : "memory");
+    return keep != 0;
+  }
+  __device__ __forceinline__ bool partial(int q0, int q1, int k0, int k1) const {
+    needs_mod = !all_full(q0, q1, k0, k1);
+    return needs_mod || this->base.partial(q0, q1, k0, k1);
+  }
+  // Are the blocks covering [q0, q1) x [k0, k1) (clipped to the problem) all FULL for this (b, h)?
+  __device__ bool all_full(int q0, int q1, int k0, int k1) const {
+    const AttentionParams& p = *this->P;
+    if (p.bm_state == nullptr) return false;
+    const int s = p.bm_size, nkb = p.bm_nkb;
+    const int i0 = max(q0, 0) / s, i1 = (min(q1, p.nq) + s - 1) / s;
+    const int j0 = max(k0, 0) / s, j1 = (min(k1, p.nk) + s - 1) / s;
+    const int bb = p.bm_bb == 1 ? 0 : fb, hb = p.bm_hb == 1 ? 0 : fh;
+    const unsigned char* t = p.bm_state + (static_cast<long long>(bb) * p.bm_hb + hb) * p.bm_nqb * nkb;
+    // The blocks row by row, one index (a tile spans one or two blocks each way at the usual sizes).
+    const int w = max(j1 - j0, 0), n = max(i1 - i0, 0) * w;  // none past the problem's rows or keys
+#pragma unroll 1
+    for (int e = 0; e < n; ++e) {
+      if (__ldg(t + (i0 + e / w) * nkb + j0 + e % w) != 2) return false;  // 2: FULL (flex_block_mask.py)
+    }
+    return true;
   }
 };
 

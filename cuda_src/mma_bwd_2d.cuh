@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       float c = scale_log2;
       Policy pol(p, seq_geometry(p, opaque(b)));  // per step, from lengths re-read here (see above)
       pol.score.at_head(p, b, hh);
+      mask_at_head(pol.mask, p, b, hh);
       pol.dropout.at_head(p, b, hh);
 #pragma unroll
       for (int m = 0; m < kMS; ++m) c = score_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.score, scale_log2);

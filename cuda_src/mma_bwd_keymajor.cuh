@@ -190,6 +190,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     // The policy per step, from the sequence's lengths re-read here (kept live, they would spill).
     Policy pol(p, seq_geometry(p, opaque(b)));
     pol.score.at_head(p, b, hh);
+    mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);

@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const int lane = threadIdx.x % 32;
   Policy pol(p, seq);
   pol.score.at_head(p, b, h);
+  mask_at_head(pol.mask, p, b, h);
   pol.dropout.at_head(p, b, h);
   const float sink = sink_log2(p, h);
 

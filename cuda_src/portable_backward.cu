@@ -174,6 +174,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
             // The policy per tile, after the products (see seq above; dense: from the constant bank).
             Policy pol(p, seq_geometry(p, b));
             pol.score.at_head(p, b, h);  // ALiBi slope of this query head
+            mask_at_head(pol.mask, p, b, h);
             // Only partial tiles (the end of the keys, the diagonal) test elements.
             const bool masked = pol.mask.partial(r0, r0 + BR, c0, c0 + BC);
 #pragma unroll
@@ -279,6 +280,7 @@ portable_bwd_dq(const __grid_constant__ AttentionParams p) {
     const bool v16 = p.vec != 0;
     Policy pol(p, seq);
     pol.score.at_head(p, b, h);
+    mask_at_head(pol.mask, p, b, h);
     pol.dropout.at_head(p, b, h);
     const long long rowbase = scratch_row(p, seq, b, h);
     const long long qrow = (long long)seq.q_row0 + r0;

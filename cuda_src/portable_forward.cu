@@ -104,6 +104,7 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
         // float tile sits at its 168-register cap).
         Policy pol(p, seq_geometry(p, b));
         pol.score.at_head(p, b, h);
+        mask_at_head(pol.mask, p, b, h);
 
         // Score variants (softcap, ALiBi) in place, in their own pass: fused into the masking loop below,
         // the D=64 Window tile spilled on sm_90a at its 168-register cap.

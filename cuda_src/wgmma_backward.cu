@@ -217,6 +217,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     const float* delta_b = lse_b + Br;
     Policy pol(p, seq_geometry(p, opaque(b)));  // per step, from lengths re-read here (see above)
     pol.score.at_head(p, b, hh);
+    mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   const int warp = (threadIdx.x / 32) % 4;
   Policy pol(p, seq);
   pol.score.at_head(p, b, h);
+  mask_at_head(pol.mask, p, b, h);
   pol.dropout.at_head(p, b, h);
 
   const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + (seq.q_row0 + q0) * p.q_s.n;

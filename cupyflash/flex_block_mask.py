@@ -9,9 +9,11 @@ reference of the CPU tests.
 Passing ``block_mask=`` with the same ``mask_mod`` (and aux) to an attention call narrows every kernel tile loop
 to the blocks between the first and the last non-empty one of its rows (forwards) or columns (backwards)
 (``BlockMasked`` in ``cuda_src/flex_policy.cuh``): for a document mask or a prefix-LM mask that skips every
-empty tile. Interior empty tiles (a row whose visible blocks are not contiguous) are still visited, and
-mask_mod still runs per element in the visited tiles. The block size need not match any kernel's tiles: a kernel
-tile covering part of a block takes that block's whole range (conservative). ``B``/``H`` of ``None`` (or 1)
+empty tile. mask_mod then runs only in partial tiles (``FlexMask``): a kernel tile whose blocks are all FULL
+(``BlockMask.full_tiles``) and that the built-in mask leaves whole runs as an unmasked tile. Interior empty tiles
+(a row whose visible blocks are not contiguous) are still visited, as partial tiles. The block size need not
+match any kernel's tiles: a kernel tile covering part of a block takes that block's whole range and state
+(conservative). ``B``/``H`` of ``None`` (or 1)
 make one table serve every batch / head (the mask must then not depend on ``b`` / ``h``).
 """
 from __future__ import annotations
@@ -54,9 +56,24 @@ class BlockMask:
         r = self.kv_range
         return float((r[..., 1] - r[..., 0]).clip(0).sum()) / max(1, self.states.size)
 
+    def full_tiles(self, rows: int, cols: int) -> np.ndarray:
+        """Per kernel tile of ``rows`` x ``cols`` (b, h, ceil(Nq / rows), ceil(Nk / cols)): are all the blocks it
+        covers, clipped to the problem, FULL? Such tiles skip mask_mod (``FlexMask::all_full`` in
+        cuda_src/flex_policy.cuh, the same rule in NumPy: tests, and the work a call leaves per element)."""
+        full = np.asarray(_host(self.states)) == FULL
+        bs, nq, nk = self.block_size, self.nq, self.nk
+        nqt, nkt = -(-nq // rows), -(-nk // cols)
+        out = np.zeros((*full.shape[:2], nqt, nkt), bool)
+        for i in range(nqt):
+            i0, i1 = i * rows // bs, -(-min((i + 1) * rows, nq) // bs)
+            for j in range(nkt):
+                j0, j1 = j * cols // bs, -(-min((j + 1) * cols, nk) // bs)
+                out[:, :, i, j] = full[:, :, i0:i1, j0:j1].all(axis=(2, 3))
+        return out
+
     def pointers(self) -> dict[str, Any]:
-        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``)."""
-        return {"bm_kv": self.kv_range, "bm_q": self.q_range}
+        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``, ``bm_state``)."""
+        return {"bm_kv": self.kv_range, "bm_q": self.q_range, "bm_state": self.states}
 
     def params(self) -> dict[str, int]:
         nqb, nkb = self.states.shape[-2:]
@@ -65,6 +82,11 @@ class BlockMask:
     def __repr__(self) -> str:
         return (f"BlockMask(batch={self.batch}, heads={self.heads}, Nq={self.nq}, Nk={self.nk}, "
                 f"block_size={self.block_size}, empty={self.sparsity():.3f})")  # fmt: skip
+
+
+def _host(x: Any) -> Any:
+    """A CuPy array's NumPy copy (NumPy arrays as they are)."""
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x
 
 
 def _positive(name: str, x: Any, allow_none: bool = False) -> int:

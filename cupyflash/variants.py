@@ -43,7 +43,9 @@ class Variant:
     flex: user snippets (issue 17 part 3, ``flex.py``): a ``FlexSpec`` (C++: the ``FlexScore`` policy) or
         ``FlexTwins`` (the reference's Python callables); score_mod after ALiBi, mask_mod ANDed with the masks.
     flex_aux: per aux slot, (extents, element strides, scalar value): the run-time values of ``aux``.
-    block_mask: a block mask's table sizes (``BlockMask.params`` items; C++: ``BlockMasked`` around the mask), or ().
+    block_mask: a block mask's table sizes (``BlockMask.params`` items), or (). C++: ``FlexMask`` around the mask
+        (mask_mod moves from the score into the mask policy, so tiles of FULL blocks skip it; ``FlexScore`` keeps
+        score_mod alone, or the score is the built-in rule), ``BlockMasked`` for the reference's twins.
     """
 
     causal: bool = False
@@ -74,7 +76,16 @@ class Variant:
     @property
     def mask_name(self) -> str:
         base = "Window" if self.window is not None else "Causal" if self.causal else "NoMask"
+        if self._mask_in_mask():
+            # mask_mod in the mask policy: tiles of FULL blocks skip it (flex_policy.cuh's FlexMask)
+            from .flex import USER
+
+            return f"FlexMask<cupyflash::{base}, {USER}>"
         return f"BlockMasked<cupyflash::{base}>" if self.block_mask else base
+
+    def _mask_in_mask(self) -> bool:
+        """Does the mask policy evaluate mask_mod (C++ snippets with a block mask), so the score does not?"""
+        return bool(self.block_mask) and isinstance(getattr(self.flex, "mask_mod", None), str)
 
     @property
     def score_name(self) -> str:
@@ -82,7 +93,10 @@ class Variant:
         if self.flex is not None:  # user snippets ride on the built-in score rule (flex_policy.cuh)
             from .flex import USER
 
-            return f"FlexScore<cupyflash::{base}, {USER}>"
+            if not self._mask_in_mask():
+                return f"FlexScore<cupyflash::{base}, {USER}>"
+            # the mask is FlexMask's: the score keeps score_mod alone, or is the built-in rule without one
+            return f"FlexScore<cupyflash::{base}, cupyflash::ScoreFns<{USER}>>" if self.flex.score_mod else base
         if not (self.mask or self.bias):
             return base
         # Mask and bias arrays ride on the built-in score rule (ArrayScore); the bias's type is a template

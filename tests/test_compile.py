@@ -151,13 +151,28 @@ def flex_spec():
         aux=(flex.AuxSlot("doc", "int", 2), flex.AuxSlot("tab", "float", 2), flex.AuxSlot("slope", "float", 0)))
 
 
+def flex_mask_spec():
+    """A mask alone (the document mask of ``--suite flex``): with a block mask, FlexMask on the built-in score rule."""
+    from cupyflash import flex
+
+    return flex.FlexSpec(mask_mod="doc(b, q_idx) == doc(b, kv_idx)", aux=(flex.AuxSlot("doc", "int", 2),))
+
+
+def flex_specs() -> dict:
+    """The representative snippet sets by their generated sources' key."""
+    return {spec.key: spec for spec in (flex_spec(), flex_mask_spec())}
+
+
 def flex_jobs() -> list[tuple[str, str, str, str]]:
     """User-snippet policies (issue 17 part 3): per family and kernel, its first bfloat16 configuration (float32 for
     the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
-    on plain scores, and Window with the snippets on softcap/ALiBi. 8 instantiations (about 60 CPU-seconds of
-    NVRTC), for sm_80 (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
+    on plain scores (FlexMask + FlexScore<ScoreFns>), and Window with the snippets on softcap/ALiBi; then a mask alone
+    with a block mask in two kernels. 10 instantiations (about 80 CPU-seconds of NVRTC), for sm_80 (sm_90a for
+    wgmma). Their sources are generated (``_compile`` registers them per process)."""
     from cupyflash import flex
     from cupyflash.kernels import mma, portable, wgmma
+    from cupyflash.plans import mma as mma_plans
+    from cupyflash.plans import wgmma as wgmma_plans
     from cupyflash.variants import Variant
 
     spec = flex_spec()
@@ -174,6 +189,14 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
             seen.add(kind)
             generated = f"{source}#flex-{spec.key}"
             jobs.append((fam.NAME, generated, expr.replace(plain, policies[len(jobs) % 2]), ARCHS[fam.NAME][0]))
+    # The mask alone with a block mask (FlexMask, PlainScore: the speed case) in the two kernels where its registers
+    # are tightest: the wgmma D=64 forward (128-register budget) and the mma D=64 key-major backward.
+    mask_only = flex_mask_spec()
+    causal = Variant(causal=True, flex=mask_only, block_mask=(("bm_size", 64),)).cpp_policy
+    for fam, config in ((wgmma, wgmma_plans.FORWARD_CONFIGS[64]), (mma, mma_plans.BACKWARD_CONFIGS[64])):
+        source = mma_plans.BACKWARD_SOURCE if fam is mma else wgmma_plans.FORWARD_SOURCE
+        jobs.append((fam.NAME, f"{source}#flex-{mask_only.key}", config.name("__nv_bfloat16", causal),
+                     ARCHS[fam.NAME][0]))
     return jobs
 
 
@@ -219,7 +242,7 @@ def _compile(program):
     if "#flex-" in source:  # a generated source: register it in this (worker) process
         from cupyflash.flex import source_of
 
-        spec = flex_spec()
+        spec = flex_specs()[source.rpartition("#flex-")[2]]
         source = generated_source(base_source(source), spec.key, source_of(spec, base_source(source)))
     try:
         return nvrtc_compile_many(source, [job[2] for job in program], arch)
@@ -268,15 +291,20 @@ ARRAY_SPILL_ALLOWANCE: dict[str, int] = {
 #: Measured: mma bwd2d 128/144 B (block mask + causal), wgmma fwd 104/164 B, wgmma bwd 184/156 B on the flex branch,
 #: 304/252 B (D=64 Window + FlexScore<ModScore>) after merging with the session's dropout and mask changes. Speed of
 #: these instantiations is not measured.
+#: With a block mask, mask_mod moved into the mask policy (FlexMask, issue 17 speed; measured on branch flex3):
+#: the wgmma D=64 forward with a mask and a score_mod 172/224 B (the score_mod in score_strip, mask_mod in
+#: mask_strip: two per-element passes at its 128-register budget; 104/164 B before, when both ran in one), the mask
+#: alone 44/60 B (48/88 B before); the mma D=64 key-major backward with the mask alone 8/12 B (0 before).
 FLEX_SPILL_ALLOWANCE: dict[str, int] = {
+    "mma_flash_bwd<": 32,  # 8/12 B: D=64 FlexMask<Causal> on plain scores (flex3)
     "mma_flash_bwd2d<": 192,
-    "wgmma_flash_fwd<": 192,
+    "wgmma_flash_fwd<": 256,  # 172/224 B: D=64 FlexMask<Causal> + FlexScore<PlainScore, ScoreFns> (flex3)
     "wgmma_flash_bwd<": 320,  # 304/252 B for D=64 Window + FlexScore<ModScore> after the session's merges
 }
 
 
 def allowance(name: str, arch: str) -> int:
-    if "FlexScore<" in name:
+    if "FlexScore<" in name or "FlexMask<" in name:
         return max((n for prefix, n in FLEX_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     if "ArrayScore<" in name:
         return max((n for prefix, n in ARRAY_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)

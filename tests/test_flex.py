@@ -298,6 +298,52 @@ def test_block_mask_reference_counts_tiles(rng):
     assert bm.params() == {"bm_size": 16, "bm_nqb": 7, "bm_nkb": 5, "bm_bb": 2, "bm_hb": 3}
 
 
+@pytest.mark.parametrize("bs", [16, 32, 48, 64])
+def test_full_tiles_rule(bs, rng):
+    """FlexMask's full-tile decision (BlockMask.full_tiles, the kernels' rule in NumPy) for the kernels' tile and
+    strip shapes: a tile it calls full has every pair inside the problem visible (so skipping mask_mod there is exact),
+    and when the tile is made of whole blocks, every tile whose pairs are all visible is called full."""
+    nq, nk = 300, 333
+    doc = _doc_ids(rng, nk, 4)
+    lo = rng.integers(0, 120, 3)
+    mm = lambda b, h, i, j: ((doc[np.minimum(i + nk - nq, nk - 1)] == doc[j]) & (j >= lo[h])) | (j < 8)  # noqa: E731
+    bm = cf.create_block_mask(mm, None, 3, nq, nk, block_size=bs)
+    assert {0, 1, 2} <= set(np.unique(bm.states))
+    vis = np.broadcast_to(mm(0, np.arange(3)[:, None, None], np.arange(nq)[:, None], np.arange(nk)), (3, nq, nk))
+    for rows, cols in [(16, 64), (16, 128), (128, 16), (64, 128), (64, 32), (48, 80)]:
+        full = bm.full_tiles(rows, cols)
+        assert full.shape == (1, 3, -(-nq // rows), -(-nk // cols))
+        aligned = rows % bs == 0 and cols % bs == 0
+        for h in range(3):
+            for i in range(full.shape[2]):
+                for j in range(full.shape[3]):
+                    every = vis[h, i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].all()
+                    assert every or not full[0, h, i, j], (rows, cols, h, i, j)
+                    if aligned:
+                        assert full[0, h, i, j] == every, (rows, cols, h, i, j)
+    assert bm.pointers()["bm_state"] is bm.states
+
+
+def test_block_mask_moves_mask_mod_into_the_mask_policy():
+    """With a block mask the C++ mask policy evaluates mask_mod (FlexMask) and the score keeps score_mod alone (or is
+    the built-in rule); without one, FlexScore does both as before."""
+    from cupyflash.flex import USER
+    from cupyflash.variants import Variant
+
+    mask_only = cf.flex.FlexSpec(mask_mod="q_idx >= kv_idx")
+    both = cf.flex.FlexSpec(mask_mod="q_idx >= kv_idx", score_mod="score * 2.f", score_mod_grad="2.f")
+    bm = (("bm_size", 64),)
+    pol = Variant(causal=True, flex=mask_only, block_mask=bm).cpp_policy
+    assert pol == f"cupyflash::Policy<cupyflash::FlexMask<cupyflash::Causal, {USER}>, cupyflash::PlainScore>"
+    pol = Variant(softcap=5.0, flex=both, block_mask=bm).cpp_policy
+    assert f"FlexMask<cupyflash::NoMask, {USER}>" in pol
+    assert f"FlexScore<cupyflash::ModScore, cupyflash::ScoreFns<{USER}>>" in pol
+    pol = Variant(causal=True, flex=both).cpp_policy
+    assert pol == f"cupyflash::Policy<cupyflash::Causal, cupyflash::FlexScore<cupyflash::PlainScore, {USER}>>"
+    twins = cf.flex.FlexTwins(mask_mod=lambda b, h, i, j: i >= j)  # the reference's: no C++ policy of its own
+    assert "BlockMasked<" in Variant(flex=twins, block_mask=bm).mask_name
+
+
 def test_block_mask_broadcast_and_checks():
     bm = cf.create_block_mask(lambda b, h, i, j: j <= i, None, None, 64, 64, block_size=32)
     assert bm.states.shape == (1, 1, 2, 2) and bm.states[0, 0].tolist() == [[1, 0], [2, 1]]

@@ -26,6 +26,7 @@ POINTERS: tuple[str, ...] = (
     "dq_turns",
     "aux0", "aux1", "aux2", "aux3", "aux4", "aux5", "aux6", "aux7",  # user snippets' aux arrays (issue 17)
     "bm_kv", "bm_q",  # block masks (issue 17)
+    "bm_state",  # block masks' tile states (issue 17 speed: full tiles skip mask_mod)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 STRIDE4_FIELDS: tuple[str, ...] = ("mask_s", "bias_s", "dbias_s")
