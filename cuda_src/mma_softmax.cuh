@@ -241,7 +241,8 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
 
 // The policy's scores for one strip (coordinates as in mask_strip), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
-// 1 once a score policy has produced log2 units itself.
+// softcap * log2(e) for softcapped ones without ALiBi (s holds the tanh), 1 once a score policy has produced log2
+// units itself.
 template <int NT, bool kKeyRows, class Rule>
 __device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int col0, const Rule& rule) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -262,6 +263,10 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
   if constexpr (Score::kIdentity) {
     return positive_scale<NT>(s, scale_log2);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
+    if (score.softcapped() && !score.has_alibi()) {  // tanh alone; softcap * log2(e) rides in the FFMA
+      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int, int) { return score.template capped_tanh<true>(r); });
+      return score.cap_log2();
+    }
     if (score.softcapped())
       score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
         return score.template log2_score_as<true, true>(r, q, k);
@@ -311,7 +316,11 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
     ds[2] = pt[2] * (dpt[2] - delta_q.x);
     ds[3] = pt[3] * (dpt[3] - delta_q.y);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // no log2 and no ALiBi distance without a softcap
-    if (score.softcapped())
+    if (score.softcapped() && !score.has_alibi())
+      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
+        return score.template ds_factor_as<true, true, false>(P, l2, q, k);
+      });
+    else if (score.softcapped())
       ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
         return score.template ds_factor_as<true, true>(P, l2, q, k);
       });
