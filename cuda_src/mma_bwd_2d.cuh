@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
         for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.mask);
       }
-      with_exp_split(pol.score, [&](auto split) {
+      with_exp_split<SoftcapExpSync>(pol.score, [&](auto split) {
         using Split = decltype(split);
 #pragma unroll
         for (int n = 0; n < kNS; ++n) {

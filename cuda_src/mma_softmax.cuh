@@ -138,26 +138,29 @@ __device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (
 
 // Which exponentials of a strip run on the FMA pipe (exp2_fma) instead of MUFU: column n8 tile n does when
 // n % kPeriod < kFma (a compile-time choice per tile once the loops are unrolled). MufuExp: none, the plain
-// kernels' code. SoftcapExp: the softcapped strips', whose tanh takes one MUFU op per score already; the split
-// balances the MUFU against the FMA/issue slots (counts in benchmarks/NOTES.md, "Softcap MUFU offload").
+// kernels' code. The softcapped strips' tanh takes one MUFU op per score already; their split balances the MUFU
+// against the issue slots (an exp2_fma is ~8 instructions for the one MUFU op it saves; counts in
+// benchmarks/NOTES.md, "Softcap MUFU offload"): SoftcapExp, half of the tiles, in the forwards and the wgmma
+// backward; SoftcapExpSync, a quarter, in the mma.sync backwards, whose issue slots also carry 5 mma.sync per score.
 template <int kFma, int kPeriod>
 struct ExpSplit {
   __host__ __device__ static constexpr bool on_fma(int n) { return n % kPeriod < kFma; }
 };
 using MufuExp = ExpSplit<0, 1>;
 using SoftcapExp = ExpSplit<1, 2>;
+using SoftcapExpSync = ExpSplit<1, 4>;
 
 template <class Split>
 __device__ __forceinline__ float exp2_of(float x, int n) {
   return Split::on_fma(n) ? exp2_fma(x) : fast_exp2(x);
 }
 
-// body(Split{}) with the split of the score policy's strips: SoftcapExp where softcapped (one uniform test), else
+// body(Split{}) with the split of the score policy's strips: CapSplit where softcapped (one uniform test), else
 // MufuExp.
-template <class Score, class Body>
+template <class CapSplit, class Score, class Body>
 __device__ __forceinline__ void with_exp_split(const Score& score, const Body& body) {
   if constexpr (SplitsSoftcap<Score>::value) {
-    if (score.softcapped()) return body(SoftcapExp{});
+    if (score.softcapped()) return body(CapSplit{});
   }
   body(MufuExp{});
 }
@@ -179,11 +182,11 @@ __device__ __forceinline__ void probs_from_lse(float (&s)[NT][4], float c, const
   }
 }
 
-// probs_from_lse with the softcapped strips' split (one uniform test per strip).
-template <int NT, class Score>
+// probs_from_lse with the softcapped strips' split CapSplit (one uniform test per strip).
+template <int NT, class CapSplit, class Score>
 __device__ __forceinline__ void probs_strip(float (&s)[NT][4], float c, const float* lse_cols, const Score& score) {
   if constexpr (SplitsSoftcap<Score>::value) {
-    if (score.softcapped()) return probs_from_lse<NT, SoftcapExp>(s, c, lse_cols);
+    if (score.softcapped()) return probs_from_lse<NT, CapSplit>(s, c, lse_cols);
   }
   probs_from_lse<NT>(s, c, lse_cols);
 }
