@@ -150,6 +150,14 @@ using MufuExp = ExpSplit<0, 1>;
 using SoftcapExp = ExpSplit<1, 2>;
 using SoftcapExpSync = ExpSplit<1, 4>;
 
+// Softcapped strips exist (a score with the kCap forms); false for PlainScore without instantiating SplitsSoftcap
+// there (its static member would show up in the plain kernels' PTX).
+template <class Score>
+__host__ __device__ constexpr bool may_softcap() {
+  if constexpr (Score::kIdentity) return false;
+  else return SplitsSoftcap<Score>::value;
+}
+
 template <class Split>
 __device__ __forceinline__ float exp2_of(float x, int n) {
   return Split::on_fma(n) ? exp2_fma(x) : fast_exp2(x);
@@ -159,7 +167,7 @@ __device__ __forceinline__ float exp2_of(float x, int n) {
 // MufuExp.
 template <class CapSplit, class Score, class Body>
 __device__ __forceinline__ void with_exp_split(const Score& score, const Body& body) {
-  if constexpr (SplitsSoftcap<Score>::value) {
+  if constexpr (may_softcap<Score>()) {
     if (score.softcapped()) return body(CapSplit{});
   }
   body(MufuExp{});
@@ -185,7 +193,7 @@ __device__ __forceinline__ void probs_from_lse(float (&s)[NT][4], float c, const
 // probs_from_lse with the softcapped strips' split CapSplit (one uniform test per strip).
 template <int NT, class CapSplit, class Score>
 __device__ __forceinline__ void probs_strip(float (&s)[NT][4], float c, const float* lse_cols, const Score& score) {
-  if constexpr (SplitsSoftcap<Score>::value) {
+  if constexpr (may_softcap<Score>()) {
     if (score.softcapped()) return probs_from_lse<NT, CapSplit>(s, c, lse_cols);
   }
   probs_from_lse<NT>(s, c, lse_cols);
@@ -224,7 +232,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float c, float
 template <int NT, class Score>
 __device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float c, float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], const Score& score) {
-  if constexpr (SplitsSoftcap<Score>::value) {
+  if constexpr (may_softcap<Score>()) {
     if (score.softcapped()) return online_softmax<NT, SoftcapExp>(s, c, m, l, alpha);
   }
   online_softmax<NT>(s, c, m, l, alpha);
@@ -267,7 +275,8 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     return positive_scale<NT>(s, scale_log2);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
     if (score.softcapped() && !score.has_alibi()) {  // tanh alone; softcap * log2(e) rides in the FFMA
-      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int, int) { return score.template capped_tanh<true>(r); });
+      score_elements<NT, kKeyRows>(s, row0, col0,
+                                   [&](float r, int, int) { return score.template capped_tanh<true>(r); });
       return score.cap_log2();
     }
     if (score.softcapped())
