@@ -134,12 +134,6 @@ struct ModScore {
     slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
   __device__ __forceinline__ bool softcapped() const { return P->softcap_log2 > 0.f; }
-  // Softcap without ALiBi (per head: a zero slope adds nothing either): the strips then take tanh alone, and the
-  // factor softcap * log2(e) (> 0) becomes the scale of the exponential's FFMA, as the plain scale does.
-  __device__ __forceinline__ bool has_alibi() const { return slope_log2 != 0.f; }
-  template <bool kFast>
-  __device__ __forceinline__ float capped_tanh(float r) const { return tanh_of<kFast>(r * P->softcap_scale); }
-  __device__ __forceinline__ float cap_log2() const { return P->softcap_log2; }
   template <bool kFast, bool kCap>
   __device__ __forceinline__ float log2_score_as(float r, int q, int k) const {
     const float x = kCap ? P->softcap_log2 * tanh_of<kFast>(r * P->softcap_scale) : r * P->scale_log2;
@@ -151,16 +145,14 @@ struct ModScore {
   }
   // The softcap's derivative 1 - tanh^2, with tanh recovered from P = exp2(score - lse2) (no extra
   // registers through the backward's products); 1 without softcap, 0 where P is 0.
-  // kAlibi = false: the caller knows the slope is 0 (has_alibi()), and the distance is not computed.
-  template <bool kFast, bool kCap, bool kAlibi = true>
+  template <bool kFast, bool kCap>
   __device__ __forceinline__ float ds_factor_as(float Pij, float lse2, int q, int k) const {
     if constexpr (!kCap) {
       return 1.f;
     } else {
       if (!(Pij > 0.f)) return 0.f;
       const float lg = kFast ? fast_log2(Pij) : log2f(Pij);
-      const float alibi = kAlibi ? slope_log2 * distance_of(q, offset, k) : 0.f;
-      const float t = (lg + lse2 - alibi) * P->softcap_inv_log2;
+      const float t = (lg + lse2 - slope_log2 * distance_of(q, offset, k)) * P->softcap_inv_log2;
       return 1.f - t * t;
     }
   }

@@ -206,24 +206,21 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
         for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.mask);
       }
-      with_exp_split<SoftcapExpSync>(pol.score, [&](auto split) {
-        using Split = decltype(split);
 #pragma unroll
-        for (int n = 0; n < kNS; ++n) {
-          // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf. (Not
-          // probs_from_lse per strip: one lse load for all kMS strips, n outermost.)
-          const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
-          const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
-                                        ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+      for (int n = 0; n < kNS; ++n) {
+        // A row that saw no key (lse = -inf) must give P = 0 even where its scores are -inf. (Not
+        // probs_from_lse per strip: one lse load for all kMS strips, n outermost.)
+        const float2 ls = *reinterpret_cast<const float2*>(lse_b + n * 8);
+        const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                      ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
 #pragma unroll
-          for (int m = 0; m < kMS; ++m) {
-            pt[m][n][0] = exp2_of<Split>(fmaf(pt[m][n][0], c, -l2.x), n);
-            pt[m][n][1] = exp2_of<Split>(fmaf(pt[m][n][1], c, -l2.y), n);
-            pt[m][n][2] = exp2_of<Split>(fmaf(pt[m][n][2], c, -l2.x), n);
-            pt[m][n][3] = exp2_of<Split>(fmaf(pt[m][n][3], c, -l2.y), n);
-          }
+        for (int m = 0; m < kMS; ++m) {
+          pt[m][n][0] = fast_exp2(fmaf(pt[m][n][0], c, -l2.x));
+          pt[m][n][1] = fast_exp2(fmaf(pt[m][n][1], c, -l2.y));
+          pt[m][n][2] = fast_exp2(fmaf(pt[m][n][2], c, -l2.x));
+          pt[m][n][3] = fast_exp2(fmaf(pt[m][n][3], c, -l2.y));
         }
-      });
+      }
       // Dropout: P^T negated where dropped (sP takes the kept ones, dS splits P and Z; dV scaled at the end).
       if constexpr (Policy::Dropout::kOn) {
 #pragma unroll

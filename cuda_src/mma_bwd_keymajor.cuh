@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);
-    probs_strip<kNQ, SoftcapExpSync>(pt, c, lse_b, pol.score);
+    probs_from_lse<kNQ>(pt, c, lse_b);
     // Dropout: P^T negated where dropped (dV takes the kept ones, dS splits P and Z; scale at the end).
     if constexpr (Policy::Dropout::kOn) dropout_strip<kNQ, true, true>(pt, key_w, i0, pol.dropout);
 

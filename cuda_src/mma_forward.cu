@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       const float c = score_strip<kNT>(s[mi], row0, j0, pol.score, p.scale_log2);
       if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s[mi], row0, j0, pol.mask);
       float alpha[2];
-      softmax_strip<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha, pol.score);
+      online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
       // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
       if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s[mi], row0, j0, pol.dropout);
 #pragma unroll

@@ -5,7 +5,6 @@
 #include <math_constants.h>
 
 #include "attention_policy.cuh"
-#include "fma_exp2.cuh"
 #include "mma_primitives.cuh"
 
 namespace cupyflash {
@@ -136,67 +135,21 @@ __device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (
   a[3] = pack2<T>(fmaxf(c[2 * kk + 1][2], 0.f), fmaxf(c[2 * kk + 1][3], 0.f));
 }
 
-// Which exponentials of a strip run on the FMA pipe (exp2_fma) instead of MUFU: column n8 tile n does when
-// n % kPeriod < kFma (a compile-time choice per tile once the loops are unrolled). MufuExp: none, the plain
-// kernels' code. The softcapped strips' tanh takes one MUFU op per score already; their split balances the MUFU
-// against the issue slots (an exp2_fma is ~8 instructions for the one MUFU op it saves; counts in
-// benchmarks/NOTES.md, "Softcap MUFU offload"): SoftcapExp, half of the tiles, in the forwards and the wgmma
-// backward; SoftcapExpSync, a quarter, in the mma.sync backwards, whose issue slots also carry 5 mma.sync per score.
-template <int kFma, int kPeriod>
-struct ExpSplit {
-  __host__ __device__ static constexpr bool on_fma(int n) { return n % kPeriod < kFma; }
-};
-using MufuExp = ExpSplit<0, 1>;
-using SoftcapExp = ExpSplit<1, 2>;
-using SoftcapExpSync = ExpSplit<1, 4>;
-
-// Softcapped strips exist (a score with the kCap forms); false for PlainScore without instantiating SplitsSoftcap
-// there (its static member would show up in the plain kernels' PTX).
-template <class Score>
-__host__ __device__ constexpr bool may_softcap() {
-  if constexpr (Score::kIdentity) return false;
-  else return SplitsSoftcap<Score>::value;
-}
-
-template <class Split>
-__device__ __forceinline__ float exp2_of(float x, int n) {
-  return Split::on_fma(n) ? exp2_fma(x) : fast_exp2(x);
-}
-
-// body(Split{}) with the split of the score policy's strips: CapSplit where softcapped (one uniform test), else
-// MufuExp.
-template <class CapSplit, class Score, class Body>
-__device__ __forceinline__ void with_exp_split(const Score& score, const Body& body) {
-  if constexpr (may_softcap<Score>()) {
-    if (score.softcapped()) return body(CapSplit{});
-  }
-  body(MufuExp{});
-}
-
 // The backward's P^T = exp2(S^T * c - lse * log2 e) on a key-major strip: column n8 tile n, pair
 // 2t, 2t+1 of this lane takes lse_cols[8n], [8n + 1] (the lane's query pair; lse in natural log).
 // A query that saw no key (lse = -inf) gets P = 0 even where its scores are -inf.
-template <int NT, class Split = MufuExp>
+template <int NT>
 __device__ __forceinline__ void probs_from_lse(float (&s)[NT][4], float c, const float* lse_cols) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const float2 ls = *reinterpret_cast<const float2*>(lse_cols + n * 8);
     const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
                                   ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
-    s[n][0] = exp2_of<Split>(fmaf(s[n][0], c, -l2.x), n);
-    s[n][1] = exp2_of<Split>(fmaf(s[n][1], c, -l2.y), n);
-    s[n][2] = exp2_of<Split>(fmaf(s[n][2], c, -l2.x), n);
-    s[n][3] = exp2_of<Split>(fmaf(s[n][3], c, -l2.y), n);
+    s[n][0] = fast_exp2(fmaf(s[n][0], c, -l2.x));
+    s[n][1] = fast_exp2(fmaf(s[n][1], c, -l2.y));
+    s[n][2] = fast_exp2(fmaf(s[n][2], c, -l2.x));
+    s[n][3] = fast_exp2(fmaf(s[n][3], c, -l2.y));
   }
-}
-
-// probs_from_lse with the softcapped strips' split CapSplit (one uniform test per strip).
-template <int NT, class CapSplit, class Score>
-__device__ __forceinline__ void probs_strip(float (&s)[NT][4], float c, const float* lse_cols, const Score& score) {
-  if constexpr (may_softcap<Score>()) {
-    if (score.softcapped()) return probs_from_lse<NT, CapSplit>(s, c, lse_cols);
-  }
-  probs_from_lse<NT>(s, c, lse_cols);
 }
 
 // One step of the online softmax for a 16-row strip (rows g and g+8 of this lane: h = 0, 1).
@@ -205,7 +158,7 @@ __device__ __forceinline__ void probs_strip(float (&s)[NT][4], float c, const fl
 // factors that rescale the output accumulator. Scaling inside the exponent's FFMA is free; it needs
 // c > 0 (callers pre-multiply and pass c = 1 otherwise). l stays a per-lane partial sum (reduced
 // once at the end). A row that has seen only -inf keeps m = -inf and gets p = 0, never NaN.
-template <int NT, class Split = MufuExp>
+template <int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float c, float (&m)[2], float (&l)[2],
                                                float (&alpha)[2]) {
 #pragma unroll
@@ -220,22 +173,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float c, float
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      s[n][2 * h] = exp2_of<Split>(fmaf(s[n][2 * h], c, -m_use), n);
-      s[n][2 * h + 1] = exp2_of<Split>(fmaf(s[n][2 * h + 1], c, -m_use), n);
+      s[n][2 * h] = fast_exp2(fmaf(s[n][2 * h], c, -m_use));
+      s[n][2 * h + 1] = fast_exp2(fmaf(s[n][2 * h + 1], c, -m_use));
       sum += s[n][2 * h] + s[n][2 * h + 1];
     }
     l[h] = l[h] * alpha[h] + sum;
   }
-}
-
-// online_softmax with the softcapped strips' split (one uniform test per strip).
-template <int NT, class Score>
-__device__ __forceinline__ void softmax_strip(float (&s)[NT][4], float c, float (&m)[2], float (&l)[2],
-                                              float (&alpha)[2], const Score& score) {
-  if constexpr (may_softcap<Score>()) {
-    if (score.softcapped()) return online_softmax<NT, SoftcapExp>(s, c, m, l, alpha);
-  }
-  online_softmax<NT>(s, c, m, l, alpha);
 }
 
 // Scores times c when c <= 0 (a rare, uniform path), so that the FFMA form above can take c = 1.
@@ -252,8 +195,7 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
 
 // The policy's scores for one strip (coordinates as in mask_strip), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
-// softcap * log2(e) for softcapped ones without ALiBi (s holds the tanh), 1 once a score policy has produced log2
-// units itself.
+// 1 once a score policy has produced log2 units itself.
 template <int NT, bool kKeyRows, class Rule>
 __device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int col0, const Rule& rule) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -274,11 +216,6 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
   if constexpr (Score::kIdentity) {
     return positive_scale<NT>(s, scale_log2);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
-    if (score.softcapped() && !score.has_alibi()) {  // tanh alone; softcap * log2(e) rides in the FFMA
-      score_elements<NT, kKeyRows>(s, row0, col0,
-                                   [&](float r, int, int) { return score.template capped_tanh<true>(r); });
-      return score.cap_log2();
-    }
     if (score.softcapped())
       score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
         return score.template log2_score_as<true, true>(r, q, k);
@@ -328,11 +265,7 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
     ds[2] = pt[2] * (dpt[2] - delta_q.x);
     ds[3] = pt[3] * (dpt[3] - delta_q.y);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // no log2 and no ALiBi distance without a softcap
-    if (score.softcapped() && !score.has_alibi())
-      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
-        return score.template ds_factor_as<true, true, false>(P, l2, q, k);
-      });
-    else if (score.softcapped())
+    if (score.softcapped())
       ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
         return score.template ds_factor_as<true, true>(P, l2, q, k);
       });

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
-    probs_strip<kNQ, SoftcapExp>(st, c, lse_b, pol.score);
+    probs_from_lse<kNQ>(st, c, lse_b);
     // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows). With dropout
     // P^T is negated where dropped: dV takes the kept ones (times 1 / (1 - p) at the end), dS splits P and Z.
     uint32_t pt[Br / 16][4];

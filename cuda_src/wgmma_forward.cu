@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     const int row0 = q0 + row_w;
     const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
-    softmax_strip<kNT>(s, c, m_run, l_run, alpha, pol.score);
+    online_softmax<kNT>(s, c, m_run, l_run, alpha);
     // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
     if constexpr (Policy::Dropout::kOn) dropout_apply<kNT, false, false>(s, keep, pol.dropout);
   };
