@@ -18,6 +18,7 @@ import numpy as np
 
 from . import varlen_reference
 from .api import NUMPY_BLOCK, _check_kernel, _is_cupy, _numpy_kernel
+from .validation import check_flag
 from .varlen_validation import check_varlen, check_varlen_backward
 
 
@@ -97,7 +98,7 @@ def attention_varlen_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: float | None = None, *,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    seqused_k: Any = None, kernel: str = "auto", validate: bool = False,
+    seqused_k: Any = None, kernel: str = "auto", validate: bool = False, deterministic: bool = False,
 ) -> tuple[Any, ...]:  # fmt: skip
     """Gradients ``(dq, dk, dv)`` of ``attention_varlen`` for the output gradient ``do``; with ``sinks`` also
     ``dsinks`` (float32 ``(Hq,)``, summed over every sequence and row).
@@ -106,15 +107,21 @@ def attention_varlen_backward(
     shape and dtype. dk and dv have k's and v's shapes: each sequence's keys get gradients from its own
     queries only (summed over each GQA group), and keys past ``seqused_k[b]`` get zeros. The other
     arguments as in ``attention_varlen_forward``; the variant keywords must be the forward's.
+
+    ``deterministic=True`` makes the CUDA backward bitwise reproducible from run to run, as in
+    ``attention_backward``: each sequence's key tiles add into its dQ in a fixed order, and dsinks is summed
+    without atomics. The NumPy backend is always deterministic.
     """
     _check_kernel(kernel)
     _check_validate(validate)
+    check_flag("deterministic", deterministic)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
     if _is_cupy(q):  # checked there, once per call signature
         from . import varlen_cuda
 
         return varlen_cuda.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    causal, scale, kernel, bool(validate), seqused_k, **variant)  # fmt: skip
+                                    causal, scale, kernel, bool(validate), seqused_k,
+                                    deterministic=bool(deterministic), **variant)  # fmt: skip
     p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, scale=scale, seqused_k=seqused_k, **variant)  # fmt: skip
     _numpy_kernel(kernel)
@@ -130,12 +137,14 @@ def attention_varlen_vjp(
     causal: bool = False, scale: float | None = None, **keywords: Any,
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:  # fmt: skip
     """``o`` and ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks); keywords as in
-    ``attention_varlen_forward``. Only o and lse stay alive in between."""
+    ``attention_varlen_forward`` plus ``deterministic`` for the backward. Only o and lse stay alive in between."""
+    deterministic = check_flag("deterministic", keywords.pop("deterministic", False))
     o, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, **keywords)  # fmt: skip
 
     def vjp(do: Any) -> tuple[Any, ...]:
         return attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, causal, scale, **keywords)  # fmt: skip
+                                         max_seqlen_k, causal, scale, deterministic=deterministic,
+                                         **keywords)  # fmt: skip
 
     return o, vjp

@@ -144,11 +144,15 @@ def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_se
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
              max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, scale: Any, kernel: str, validate: bool,
              seqused_k: Any = None, window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None,
-             sinks: Any = None) -> tuple[Any, ...]:  # fmt: skip
+             sinks: Any = None, deterministic: bool = False) -> tuple[Any, ...]:  # fmt: skip
+    """``deterministic``: the dQ adds take ordered turns per (sequence, query head, query tile)
+    (cuda_src/dq_turns.cuh; the family's backward_plan sizes the counters for B sequences of max_seqlen_q rows),
+    and dsinks is summed by CuPy reductions after the launches instead of by the kernels' atomics."""
     import cupy
 
     key = _signature(kernel, (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
-                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap))  # fmt: skip
+                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap,
+                      bool(deterministic)))  # fmt: skip
     prep = None if key is None else _backward_cache.get(key)
     vp = prep.vp if prep is not None else check_varlen_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
@@ -165,18 +169,30 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: An
     grads = (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
     packed = {"dout": do, "q": q, "k": k, "v": v, "o": o, "dq": dq, "dk": dk, "dv": dv}
     if prep is None:
-        prep = _prepare(vp, kernel, packed, lse, alibi_slopes, lambda f, p, g, lim: f.backward_plan(p, g, lim))
+        prep = _prepare(vp, kernel, packed, lse, alibi_slopes,
+                        lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)))
         if key is not None:
             _backward_cache[key] = prep
     if prep.plan is None:  # no row sees a key: zero gradients; a sink alone takes every row (P_sink = exp(s - lse))
         for x in (dq, dk, dv):
             x.fill(0)
         if dsinks is not None and vp.total_q:
-            delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1).T  # (Hq, total_q)
-            share = cupy.where(cupy.isfinite(lse), cupy.exp(sinks.reshape(-1, 1) - lse), 0)
-            dsinks[...] = -(share * delta).sum(axis=1)
+            dsinks[...] = _dsinks(do, o, lse, sinks)
         return grads
+    kernel_dsinks = dsinks is not None and not deterministic  # the kernels' per-row atomics add in any order
     run(prep.plan, prep.geometry,
-        _pointers({**packed, "lse": lse, **({"dsinks": dsinks} if dsinks is not None else {})}, cu_seqlens_q,
+        _pointers({**packed, "lse": lse, **({"dsinks": dsinks} if kernel_dsinks else {})}, cu_seqlens_q,
                   cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
+    if dsinks is not None and deterministic and vp.total_q:
+        dsinks[...] = _dsinks(do, o, lse, sinks)
     return grads
+
+
+def _dsinks(do: Any, o: Any, lse: Any, sinks: Any) -> Any:
+    """d sink_h = -sum over every packed row of P_sink * Delta (P_sink = exp(sink_h - lse), 0 where lse = -inf), by
+    CuPy's reductions, whose order is fixed; lse is (Hq, total_q)."""
+    import cupy
+
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1).T  # (Hq, total_q)
+    share = cupy.where(cupy.isfinite(lse), cupy.exp(sinks.reshape(-1, 1) - lse), 0)
+    return -(share * delta).sum(axis=1)

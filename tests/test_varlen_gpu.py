@@ -143,6 +143,12 @@ def check_pack(kernel, dtype_name, q, k, v, do, packing, causal, scale, kw, vjp=
     else:
         grads = cupyflash.attention_varlen_backward(dod, qd, kd, vd, o, lse, *pk, causal, scale, kernel=kernel,
                                                     **kwd)  # fmt: skip
+    assert_pack_close(kernel, dtype_name, q, k, v, do, packing, causal, scale, kw, o, lse, grads)
+
+
+def assert_pack_close(kernel, dtype_name, q, k, v, do, packing, causal, scale, kw, o, lse, grads):
+    """The device results (o, lse and the gradients, CuPy arrays) against the float64 reference (see the module)."""
+    hq, tq = q.shape[1], q.shape[0]
     with_sinks = kw["sinks"] is not None
     assert len(grads) == (4 if with_sinks else 3)
     assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == np.float32 and lse.shape == (hq, tq)
