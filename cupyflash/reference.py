@@ -166,13 +166,13 @@ def _dropout_seed(dropout_p: Any, dropout_seed: Any) -> int | None:
     return check_dropout(dropout_p, dropout_seed, need_seed=True)[1]
 
 
-def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, cols: Any) -> Any:
+def _dropout_factor(xp: Any, p: AttentionProblem, seed: int | None, rows: Any, cols: Any, b0: int = 0) -> Any:
     """keep / (1 - p_eff) on the rows x cols tile, (*batch, Hk, G, len(rows), len(cols)), broadcasting like S; None
-    without dropout. The mask is ``dropout.keep``'s (the kernels' rule)."""
+    without dropout. The mask is ``dropout.keep``'s (the kernels' rule), its batch indices from ``b0`` on."""
     if not p.variant.dropout > 0:
         return None
     rows, cols = (np.asarray(x.get() if hasattr(x, "get") else x) for x in (rows, cols))
-    kept = _dropout.keep(seed, p.variant.dropout, np.arange(p.batch_size), np.arange(p.hq), rows, cols)
+    kept = _dropout.keep(seed, p.variant.dropout, np.arange(b0, b0 + p.batch_size), np.arange(p.hq), rows, cols)
     z = kept.reshape(*p.batch, p.hk, p.group, len(rows), len(cols)) * _dropout.keep_scale(p.variant.dropout)
     return xp.asarray(z)
 
@@ -184,14 +184,15 @@ def attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None, mask_mod: Any = None, score_mod: Any = None,
-    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
+    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None, dropout_batch0: int = 0,
 ) -> tuple[Any, Any]:  # fmt: skip
     """o = softmax(scores) v and lse, both float64, the whole score matrix at once.
 
     scores = scale q k^T, then softcap, then ALiBi, then the bias, then the causal/window mask and the mask
     array; a sink logit per head joins every row's denominator (and its lse). With dropout, o = (P * keep /
     (1 - p_eff)) v with ``cupyflash.dropout_mask``'s keep mask and p_eff = ``cupyflash.effective_dropout_p(p)``;
-    lse is the undropped one."""
+    lse is the undropped one. ``dropout_batch0``: the mask's batch index of the first batch entry (the packed
+    sequence's index, for the varlen reference)."""
     p = check_attention(q, k, v, causal=causal, scale=scale, allow_float64=True,
                         **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p,
                                           mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
@@ -211,7 +212,7 @@ def attention_forward(
     if sink is not None:
         l = l + xp.exp(sink - m_safe)
     P = E / xp.where(l > 0, l, 1.0)
-    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk), dropout_batch0)
     O = (P if Z is None else P * Z) @ V
     lse = xp.where(l > 0, m + xp.log(xp.where(l > 0, l, 1.0)), NEG_INF)
     return O.reshape(q.shape), lse.reshape(q.shape[:-1])
@@ -231,7 +232,7 @@ def _dsinks(xp: Any, L: Any, Delta: Any, sinks: Any, p: AttentionProblem) -> Any
 
 def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionProblem, alibi_slopes: Any,
               sinks: Any, mask: Any = None, bias: Any = None, bias_grad: bool = False,
-              seed: int | None = None) -> tuple[Any, ...]:  # fmt: skip
+              seed: int | None = None, b0: int = 0) -> tuple[Any, ...]:  # fmt: skip
     xp = _xp(p)
     Q, dO, O = (_grouped(x, p, p.hq, p.group) for x in (q, do, o))
     K, V = _grouped(k, p, p.hk, 1), _grouped(v, p, p.hk, 1)
@@ -240,7 +241,7 @@ def _backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, p: AttentionPro
     arrays = (_score_array(mask, p), _score_array(bias, p))
     S, raw = _scores(xp, Q, K, p, xp.arange(p.nq), xp.arange(p.nk), slopes, arrays)
     P = _probabilities(xp, S, L, xp.isfinite(S))
-    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk))
+    Z = _dropout_factor(xp, p, seed, np.arange(p.nq), np.arange(p.nk), b0)
     dV = (P if Z is None else P * Z).swapaxes(-1, -2) @ dO  # (..., Hk, G, Nk, D): summed over the group below
     dP = dO @ _t(V)
     if Z is not None:  # d(loss)/d(undropped P) = Z dP; Delta = rowsum(dO O) still equals rowsum(P Z dP)
@@ -261,11 +262,12 @@ def attention_backward(
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
     mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
+    dropout_batch0: int = 0,
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv) in float64 by recomputing P = exp(S - lse) from the given lse, then dsinks (float64,
     (Hq,)) when ``sinks`` is given (lse must come from a forward with the same sinks), then dbias (float64,
     the bias's shape: d loss / d score summed over the bias's broadcast dims) when ``bias_grad``. Dropout
-    keywords as the forward's.
+    keywords (``dropout_batch0`` too) as the forward's.
 
     Delta = rowsum(dO * O) uses the given o, as the kernels do. dk and dv have k's and v's
     shapes: under GQA each sums over its group's query heads.
@@ -274,7 +276,7 @@ def attention_backward(
                        **_variant_kwargs(window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p, mask_mod,
                                          score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
     return _backward(do, q, k, v, o, lse, p, alibi_slopes, sinks, mask, bias, bool(bias_grad),
-                     _dropout_seed(dropout_p, dropout_seed))  # fmt: skip
+                     _dropout_seed(dropout_p, dropout_seed), dropout_batch0)  # fmt: skip
 
 
 def attention_vjp(
@@ -322,7 +324,7 @@ def tiled_attention_forward(
     q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None, mask_mod: Any = None, score_mod: Any = None,
-    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
+    score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None, dropout_batch0: int = 0,
 ) -> tuple[Any, Any]:  # fmt: skip
     """FlashAttention's forward (Algorithm 1 of FA2) on Br x Bc = block_q x block_k tiles.
 
@@ -361,7 +363,7 @@ def tiled_attention_forward(
             P_ij = xp.exp(S_ij - m_safe)
             alpha = xp.exp(m - m_safe)  # rescales what was summed under the old max
             l = alpha * l + P_ij.sum(axis=-1, keepdims=True)
-            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1), dropout_batch0)
             acc = alpha * acc + (P_ij if Z_ij is None else P_ij * Z_ij) @ V[..., j0:j1, :]
             m = m_new
         seen = l > 0
@@ -376,6 +378,7 @@ def tiled_attention_backward(
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
     bias: Any = None, bias_grad: bool = False, dropout_p: float = 0.0, dropout_seed: int | None = None,
     mask_mod: Any = None, score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None,
+    dropout_batch0: int = 0,
 ) -> tuple[Any, ...]:  # fmt: skip
     """FlashAttention-2's backward on tiles: Delta first, then an outer loop over K_j, V_j
     accumulating dK_j and dV_j, and an inner loop over Q_i accumulating into dQ (and, with ``bias_grad``,
@@ -408,7 +411,7 @@ def tiled_attention_backward(
             Q_i, dO_i = Q[..., i0:i1, :], dO[..., i0:i1, :]
             S_ij, raw = _scores(xp, Q_i, K_j, p, xp.arange(i0, i1), xp.arange(j0, j1), slopes, arrays)
             P_ij = _probabilities(xp, S_ij, L[..., i0:i1, :], xp.isfinite(S_ij))
-            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1))
+            Z_ij = _dropout_factor(xp, p, seed, np.arange(i0, i1), np.arange(j0, j1), dropout_batch0)
             dV_j += (_t(P_ij if Z_ij is None else P_ij * Z_ij) @ dO_i).sum(axis=-3, keepdims=True)  # GQA: V_j shared
             dP_ij = dO_i @ _t(V_j)
             if Z_ij is not None:

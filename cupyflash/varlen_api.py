@@ -17,8 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import varlen_reference
-from .api import NUMPY_BLOCK, _check_kernel, _is_cupy, _numpy_kernel
-from .validation import check_flag
+from .api import NUMPY_BLOCK, _check_kernel, _is_cupy, _numpy_kernel, _with_seed
+from .validation import check_dropout, check_flag
 from .varlen_validation import check_varlen, check_varlen_backward
 
 
@@ -31,7 +31,7 @@ def attention_varlen_forward(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool = False, scale: float | None = None, *, window_size: tuple[int, int] | None = None,
     softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, seqused_k: Any = None,
-    kernel: str = "auto", validate: bool = False,
+    dropout_p: float = 0.0, dropout_seed: int | None = None, kernel: str = "auto", validate: bool = False,
 ) -> tuple[Any, Any]:  # fmt: skip
     """Softmax attention of B packed sequences, each attending only to itself; ``(o, lse)``.
 
@@ -56,6 +56,9 @@ def attention_varlen_forward(
         sinks: float32 ``(Hq,)``: a learnable logit per head in every row's softmax denominator.
         seqused_k: optional int32 ``(B,)``: only the first ``seqused_k[b]`` keys of sequence b are used
             (``Nk_b = seqused_k[b]``; a KV cache with room to spare). The others are never read.
+        dropout_p, dropout_seed: attention dropout as in ``attention_forward`` (``dropout_seed`` required when
+            ``dropout_p > 0``); sequence b's keep mask is ``cupyflash.dropout_mask``'s for batch index b, rows
+            and columns counted within the sequence. Pass the same pair to the backward.
         kernel: ``"auto"``, ``"wgmma"``, ``"mma"`` or ``"portable"`` as in ``attention_forward`` (every
             family runs packed batches; one that cannot run the call raises ``TypeError`` with why).
         validate: check the values of cu_seqlens, seqused_k and max_seqlen_* on the device first (one
@@ -70,18 +73,20 @@ def attention_varlen_forward(
     """
     _check_kernel(kernel)
     _check_validate(validate)
-    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    _, seed = check_dropout(dropout_p, dropout_seed)
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+               "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):  # checked there, once per call signature
         from . import varlen_cuda
 
         return varlen_cuda.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                   kernel, bool(validate), seqused_k, **variant)  # fmt: skip
+                                   kernel, bool(validate), seqused_k, dropout_seed=seed, **variant)  # fmt: skip
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
                      seqused_k=seqused_k, **variant)  # fmt: skip
     _numpy_kernel(kernel)
     o, lse = varlen_reference.tiled_attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale, NUMPY_BLOCK,
-        NUMPY_BLOCK, seqused_k=seqused_k, **variant)  # fmt: skip
+        NUMPY_BLOCK, seqused_k=seqused_k, dropout_seed=seed, **variant)  # fmt: skip
     return o.astype(p.dense.dtype), lse.astype(np.float32)
 
 
@@ -89,16 +94,18 @@ def attention_varlen(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool = False, scale: float | None = None, **keywords: Any,
 ) -> Any:  # fmt: skip
-    """Output ``o`` only; arguments as in ``attention_varlen_forward``."""
+    """Output ``o`` only; arguments as in ``attention_varlen_forward``, except that with ``dropout_p > 0`` and no
+    ``dropout_seed`` a seed is drawn (``draw_seed``)."""
     return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                    scale, **keywords)[0]  # fmt: skip
+                                    scale, **_with_seed(q, keywords))[0]  # fmt: skip
 
 
 def attention_varlen_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: float | None = None, *,
     window_size: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    seqused_k: Any = None, kernel: str = "auto", validate: bool = False, deterministic: bool = False,
+    seqused_k: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None, kernel: str = "auto",
+    validate: bool = False, deterministic: bool = False,
 ) -> tuple[Any, ...]:  # fmt: skip
     """Gradients ``(dq, dk, dv)`` of ``attention_varlen`` for the output gradient ``do``; with ``sinks`` also
     ``dsinks`` (float32 ``(Hq,)``, summed over every sequence and row).
@@ -106,7 +113,7 @@ def attention_varlen_backward(
     ``o`` and ``lse`` (``(Hq, total_q)``) are the forward's outputs for the same arguments; ``do`` has q's
     shape and dtype. dk and dv have k's and v's shapes: each sequence's keys get gradients from its own
     queries only (summed over each GQA group), and keys past ``seqused_k[b]`` get zeros. The other
-    arguments as in ``attention_varlen_forward``; the variant keywords must be the forward's.
+    arguments as in ``attention_varlen_forward``; the variant and dropout keywords must be the forward's.
 
     ``deterministic=True`` makes the CUDA backward bitwise reproducible from run to run, as in
     ``attention_backward``: each sequence's key tiles add into its dQ in a fixed order, and dsinks is summed
@@ -115,19 +122,21 @@ def attention_varlen_backward(
     _check_kernel(kernel)
     _check_validate(validate)
     check_flag("deterministic", deterministic)
-    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+    _, seed = check_dropout(dropout_p, dropout_seed)
+    variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
+               "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):  # checked there, once per call signature
         from . import varlen_cuda
 
         return varlen_cuda.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, kernel, bool(validate), seqused_k,
-                                    deterministic=bool(deterministic), **variant)  # fmt: skip
+                                    deterministic=bool(deterministic), dropout_seed=seed, **variant)  # fmt: skip
     p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, scale=scale, seqused_k=seqused_k, **variant)  # fmt: skip
     _numpy_kernel(kernel)
     grads = varlen_reference.tiled_attention_varlen_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, p.dense.scale,
-        NUMPY_BLOCK, NUMPY_BLOCK, seqused_k=seqused_k, **variant)  # fmt: skip
+        NUMPY_BLOCK, NUMPY_BLOCK, seqused_k=seqused_k, dropout_seed=seed, **variant)  # fmt: skip
     out = tuple(g.astype(p.dense.dtype) for g in grads[:3])
     return out if sinks is None else (*out, grads[3].astype(np.float32))
 
@@ -137,8 +146,11 @@ def attention_varlen_vjp(
     causal: bool = False, scale: float | None = None, **keywords: Any,
 ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:  # fmt: skip
     """``o`` and ``vjp(do) -> (dq, dk, dv)`` (``+ dsinks`` with sinks); keywords as in
-    ``attention_varlen_forward`` plus ``deterministic`` for the backward. Only o and lse stay alive in between."""
+    ``attention_varlen_forward`` plus ``deterministic`` for the backward. Only o and lse stay alive in between.
+    With ``dropout_p > 0`` and no ``dropout_seed`` a seed is drawn (``draw_seed``) and the backward uses the same
+    one."""
     deterministic = check_flag("deterministic", keywords.pop("deterministic", False))
+    keywords = _with_seed(q, keywords)
     o, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                       scale, **keywords)  # fmt: skip
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .cuda_backend import _key_of
+from .cuda_backend import _key_of, _seed_of
 from .kernels import dispatch
 from .kernels.family import CallPlan, Geometry, run
 from .plans import DeviceLimits
@@ -113,15 +113,18 @@ def _prepare(vp: VarlenProblem, kernel: str, packed: dict[str, Any], lse: Any, a
 
 def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
             causal: Any, scale: Any, kernel: str, validate: bool, seqused_k: Any = None, window_size: Any = None,
-            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:  # fmt: skip
+            softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, dropout_p: Any = 0.0,
+            dropout_seed: int | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """``dropout_seed``: the checked seed (the kernels key sequence b's mask by batch index b)."""
     import cupy
 
     key = _signature(kernel, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
-                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap))  # fmt: skip
+                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap, dropout_p))  # fmt: skip
     prep = None if key is None else _forward_cache.get(key)
     vp = prep.vp if prep is not None else check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k)
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k,
+        dropout_p=dropout_p)
     if validate:
         check_varlen_values(cupy, vp, cu_seqlens_q, cu_seqlens_k, seqused_k)
     q, k, v = (_readable(x) for x in (q, k, v))
@@ -137,26 +140,29 @@ def forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_se
         lse[...] = -np.inf if sinks is None else sinks.reshape(-1, 1)
         return o, lse
     run(prep.plan, prep.geometry,
-        _pointers({**packed, "lse": lse}, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
+        _pointers({**packed, "lse": lse}, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
+        _seed_of(vp.dense, dropout_seed))  # fmt: skip
     return o, lse
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
              max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, scale: Any, kernel: str, validate: bool,
              seqused_k: Any = None, window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None,
-             sinks: Any = None, deterministic: bool = False) -> tuple[Any, ...]:  # fmt: skip
+             sinks: Any = None, deterministic: bool = False, dropout_p: Any = 0.0,
+             dropout_seed: int | None = None) -> tuple[Any, ...]:  # fmt: skip
     """``deterministic``: the dQ adds take ordered turns per (sequence, query head, query tile)
     (cuda_src/dq_turns.cuh; the family's backward_plan sizes the counters for B sequences of max_seqlen_q rows),
     and dsinks is summed by CuPy reductions after the launches instead of by the kernels' atomics."""
     import cupy
 
     key = _signature(kernel, (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks),
-                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap,
+                     (max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap, dropout_p,
                       bool(deterministic)))  # fmt: skip
     prep = None if key is None else _backward_cache.get(key)
     vp = prep.vp if prep is not None else check_varlen_backward(
         do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
-        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k)
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k,
+        dropout_p=dropout_p)
     if validate:
         check_varlen_values(cupy, vp, cu_seqlens_q, cu_seqlens_k, seqused_k)
     dtype, hq = vp.dense.dtype, vp.dense.hq
@@ -182,7 +188,7 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: An
     kernel_dsinks = dsinks is not None and not deterministic  # the kernels' per-row atomics add in any order
     run(prep.plan, prep.geometry,
         _pointers({**packed, "lse": lse, **({"dsinks": dsinks} if kernel_dsinks else {})}, cu_seqlens_q,
-                  cu_seqlens_k, seqused_k, alibi_slopes, sinks))  # fmt: skip
+                  cu_seqlens_k, seqused_k, alibi_slopes, sinks), _seed_of(vp.dense, dropout_seed))  # fmt: skip
     if dsinks is not None and deterministic and vp.total_q:
         dsinks[...] = _dsinks(do, o, lse, sinks)
     return grads

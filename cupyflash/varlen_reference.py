@@ -7,6 +7,10 @@ causal and windows bottom-right aligned per sequence (``Nq_b``, ``Nk_b``). Keys 
 are not read and get zero gradients. An empty sequence is allowed (a query sequence with no key gives
 o = 0 and lse = -inf, or the sink).
 
+With dropout, sequence b's keep mask is the dense rule's for batch index b, with rows and columns counted
+within the sequence (``cupyflash.dropout_mask``'s ``[b]`` entry for the sequence's own lengths), as the kernels
+key it.
+
 ``attention_varlen_*`` run the plain reference per sequence, ``tiled_attention_varlen_*`` the tiled
 (FlashAttention) one. Inputs are packed ``(total, H, D)``; lse is ``(Hq, total_q)``. The values of
 cu_seqlens/seqused_k are read on the host and checked (``check_varlen_values``).
@@ -18,6 +22,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import reference as _dense
+from .validation import check_dropout
 from .varlen_validation import VarlenProblem, check_varlen, check_varlen_backward, check_varlen_values
 
 NEG_INF = -np.inf
@@ -56,18 +61,28 @@ def _slopes_of(alibi_slopes: Any, b: int) -> Any:
     return alibi_slopes[b]
 
 
+def _dropout_of(dropout_p: Any, dropout_seed: Any, b: int) -> dict[str, Any]:
+    """The dense reference's dropout keywords for sequence b (none without dropout)."""
+    if not dropout_p:
+        return {}
+    return {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_batch0": b}
+
+
 def _forward(fwd: Callable[..., tuple[Any, Any]], q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
              max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float | None, window_size: Any,
-             softcap: float, alibi_slopes: Any, sinks: Any, seqused_k: Any) -> tuple[Any, Any]:  # fmt: skip
+             softcap: float, alibi_slopes: Any, sinks: Any, seqused_k: Any, dropout_p: Any = 0.0,
+             dropout_seed: Any = None) -> tuple[Any, Any]:  # fmt: skip
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                     seqused_k=seqused_k, allow_float64=True)  # fmt: skip
+                     seqused_k=seqused_k, allow_float64=True, dropout_p=dropout_p)  # fmt: skip
+    check_dropout(dropout_p, dropout_seed)  # the seed too, before any sequence runs
     xp = _xp(p)
     o = xp.zeros(q.shape)
     lse = xp.full((p.dense.hq, p.total_q), NEG_INF)
     for b, qr, kr in _sequences(p, cu_seqlens_q, cu_seqlens_k, seqused_k):
         o_b, lse_b = fwd(_seq(q, qr), _seq(k, kr), _seq(v, kr), causal, p.dense.scale, window_size=window_size,
-                         softcap=softcap, alibi_slopes=_slopes_of(alibi_slopes, b), sinks=sinks)  # fmt: skip
+                         softcap=softcap, alibi_slopes=_slopes_of(alibi_slopes, b), sinks=sinks,
+                         **_dropout_of(dropout_p, dropout_seed, b))  # fmt: skip
         o[qr] = o_b.transpose(1, 0, 2)
         lse[:, qr] = lse_b
     return o, lse
@@ -76,18 +91,20 @@ def _forward(fwd: Callable[..., tuple[Any, Any]], q: Any, k: Any, v: Any, cu_seq
 def _backward(bwd: Callable[..., tuple[Any, ...]], do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any,
               cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
               scale: float | None, window_size: Any, softcap: float, alibi_slopes: Any, sinks: Any,
-              seqused_k: Any) -> tuple[Any, ...]:  # fmt: skip
+              seqused_k: Any, dropout_p: Any = 0.0, dropout_seed: Any = None) -> tuple[Any, ...]:  # fmt: skip
     p = check_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes, sinks=sinks, seqused_k=seqused_k,
-                              allow_float64=True)  # fmt: skip
+                              allow_float64=True, dropout_p=dropout_p)  # fmt: skip
+    check_dropout(dropout_p, dropout_seed)
     xp = _xp(p)
     dq, dk, dv = xp.zeros(q.shape), xp.zeros(k.shape), xp.zeros(v.shape)  # unused keys keep 0
     dsinks = None if sinks is None else xp.zeros(sinks.shape)
     for b, qr, kr in _sequences(p, cu_seqlens_q, cu_seqlens_k, seqused_k):
         grads = bwd(_seq(do, qr), _seq(q, qr), _seq(k, kr), _seq(v, kr), _seq(o, qr), lse[:, qr], causal,
                     p.dense.scale, window_size=window_size, softcap=softcap,
-                    alibi_slopes=_slopes_of(alibi_slopes, b), sinks=sinks)  # fmt: skip
+                    alibi_slopes=_slopes_of(alibi_slopes, b), sinks=sinks,
+                    **_dropout_of(dropout_p, dropout_seed, b))  # fmt: skip
         dq[qr] = grads[0].transpose(1, 0, 2)
         dk[kr] = grads[1].transpose(1, 0, 2)
         dv[kr] = grads[2].transpose(1, 0, 2)
@@ -102,25 +119,29 @@ def _backward(bwd: Callable[..., tuple[Any, ...]], do: Any, q: Any, k: Any, v: A
 def attention_varlen_forward(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool = False, scale: float | None = None, *, window_size: Any = None, softcap: float = 0.0,
-    alibi_slopes: Any = None, sinks: Any = None, seqused_k: Any = None,
+    alibi_slopes: Any = None, sinks: Any = None, seqused_k: Any = None, dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """(o, lse) in float64: o ``(total_q, Hq, D)``, lse ``(Hq, total_q)``; the plain reference per sequence.
 
     ``alibi_slopes`` is float32 ``(Hq,)`` or ``(B, Hq)`` (one row per sequence); the rest as in
     ``cupyflash.attention_varlen_forward``."""
     return _forward(_dense.attention_forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    causal, scale, window_size, softcap, alibi_slopes, sinks, seqused_k)  # fmt: skip
+                    causal, scale, window_size, softcap, alibi_slopes, sinks, seqused_k, dropout_p,
+                    dropout_seed)  # fmt: skip
 
 
 def attention_varlen_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: float | None = None, *, window_size: Any = None,
     softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None, seqused_k: Any = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """(dq, dk, dv) in float64 (+ dsinks ``(Hq,)`` summed over every sequence with sinks); the plain
     reference's backward per sequence. Keys past ``seqused_k[b]`` get zero gradients."""
     return _backward(_dense.attention_backward, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, causal, scale, window_size, softcap, alibi_slopes, sinks, seqused_k)  # fmt: skip
+                     max_seqlen_k, causal, scale, window_size, softcap, alibi_slopes, sinks, seqused_k, dropout_p,
+                     dropout_seed)  # fmt: skip
 
 
 def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
@@ -152,7 +173,7 @@ def tiled_attention_varlen_forward(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64, *,
     window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    seqused_k: Any = None,
+    seqused_k: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """``attention_varlen_forward`` with FlashAttention's tiled forward per sequence (Br x Bc tiles that
     start at each sequence's first row, as the kernels' tiles do)."""
@@ -162,14 +183,14 @@ def tiled_attention_varlen_forward(
 
     _dense._check_blocks(block_q, block_k)
     return _forward(fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                    window_size, softcap, alibi_slopes, sinks, seqused_k)  # fmt: skip
+                    window_size, softcap, alibi_slopes, sinks, seqused_k, dropout_p, dropout_seed)  # fmt: skip
 
 
 def tiled_attention_varlen_backward(
     do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: float | None = None, block_q: int = 64, block_k: int = 64,
     *, window_size: Any = None, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
-    seqused_k: Any = None,
+    seqused_k: Any = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """``attention_varlen_backward`` with FlashAttention-2's tiled backward per sequence."""
 
@@ -178,4 +199,4 @@ def tiled_attention_varlen_backward(
 
     _dense._check_blocks(block_q, block_k)
     return _backward(bwd, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                     scale, window_size, softcap, alibi_slopes, sinks, seqused_k)  # fmt: skip
+                     scale, window_size, softcap, alibi_slopes, sinks, seqused_k, dropout_p, dropout_seed)  # fmt: skip

@@ -74,6 +74,7 @@ def check_varlen(
     q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, *,
     causal: bool = False, scale: float | None = None, window_size: Any = None, softcap: Any = 0.0,
     alibi_slopes: Any = None, sinks: Any = None, seqused_k: Any = None, allow_float64: bool = False,
+    dropout_p: Any = 0.0,
 ) -> VarlenProblem:  # fmt: skip
     """Check a varlen call's types, shapes and dtypes (not the values of cu_seqlens: see the module)."""
     xp = common_kind(q=q, k=k, v=v)
@@ -82,10 +83,11 @@ def check_varlen(
             raise ValueError(f"{name} must have shape (total, H, D) (packed varlen layout); got {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {k.shape}, v {v.shape}")
-    # The dense checks on the (H, total, D) views: dtypes, D, heads, causal, scale, window, softcap, sinks.
+    # The dense checks on the (H, total, D) views: dtypes, D, heads, causal, scale, window, softcap, sinks,
+    # dropout_p (the seed is the entry points' to check).
     # ALiBi slopes are per sequence here ((B, Hq)), so they are checked below with B.
     dense = check_attention(_heads_first(q), _heads_first(k), _heads_first(v), causal=causal, scale=scale,
-                            window_size=window_size, softcap=softcap, sinks=sinks,
+                            window_size=window_size, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                             allow_float64=allow_float64)  # fmt: skip
     n = _check_index_vector("cu_seqlens_q", cu_seqlens_q, xp, None)
     if n < 2:
