@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import reference
+from . import cuda_backend, reference  # cuda_backend imports CuPy only when a call needs it
 from .validation import array_kind, check_attention, check_backward, check_dropout, check_flag
 
 Kernel = str  # "auto", "wgmma", "mma" or "portable" (kernels.dispatch.KERNELS)
@@ -104,8 +104,6 @@ def attention_forward(
                "mask": mask, "bias": bias, "dropout_p": dropout_p, "mask_mod": mask_mod, "score_mod": score_mod,
                "score_mod_grad": score_mod_grad, "aux": aux, "block_mask": block_mask}  # fmt: skip
     if _is_cupy(q):
-        from . import cuda_backend
-
         return cuda_backend.forward(q, k, v, causal, scale, kernel, dropout_seed=seed, **variant)
     p = check_attention(q, k, v, causal=causal, scale=scale, **variant)
     _numpy_kernel(kernel)
@@ -191,8 +189,6 @@ def attention_backward(
                "mask": mask, "bias": bias, "dropout_p": dropout_p, "mask_mod": mask_mod, "score_mod": score_mod,
                "score_mod_grad": score_mod_grad, "aux": aux, "block_mask": block_mask}  # fmt: skip
     if _is_cupy(q):
-        from . import cuda_backend
-
         return cuda_backend.backward(do, q, k, v, o, lse, causal, scale, kernel, bias_grad=bias_grad,
                                      deterministic=deterministic, dropout_seed=seed, **variant)  # fmt: skip
     p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, bias_grad=bias_grad, **variant)

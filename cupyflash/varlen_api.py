@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import varlen_reference
+from . import varlen_cuda, varlen_reference  # varlen_cuda imports CuPy only when a call needs it
 from .api import NUMPY_BLOCK, _check_kernel, _is_cupy, _numpy_kernel, _with_seed
 from .validation import check_dropout, check_flag
 from .varlen_validation import check_varlen, check_varlen_backward
@@ -77,8 +77,6 @@ def attention_varlen_forward(
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):  # checked there, once per call signature
-        from . import varlen_cuda
-
         return varlen_cuda.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                    kernel, bool(validate), seqused_k, dropout_seed=seed, **variant)  # fmt: skip
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale,
@@ -126,8 +124,6 @@ def attention_varlen_backward(
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
                "dropout_p": dropout_p}  # fmt: skip
     if _is_cupy(q):  # checked there, once per call signature
-        from . import varlen_cuda
-
         return varlen_cuda.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     causal, scale, kernel, bool(validate), seqused_k,
                                     deterministic=bool(deterministic), dropout_seed=seed, **variant)  # fmt: skip
