@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     cp_async_wait<kStages - 2>();
     __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
-      if (it > 0) {
+      if (it > 0 && threadIdx.x == 0) {
         int hp, ip;
         tile_of(it - 1, hp, ip);
         dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);

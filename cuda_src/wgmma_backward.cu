@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
     __syncthreads();               // ...for every warpgroup, which are all done with step it-1 (and dS^T)
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
-      if (it > 0) {
+      if (it > 0 && threadIdx.x == 0) {
         int hp, ip;
         tile_of(it - 1, hp, ip);
         dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
