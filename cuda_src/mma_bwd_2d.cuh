@@ -293,8 +293,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
     }
     __syncthreads();  // P^T and dS^T complete
-    // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the dV_j, dK_j and dQ_i products.
-    const int turn_seen = kOwnDQ ? 0 : dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
 
     // ---- dV_j += P^T dO_i, dK_j += dS^T Q_i on this warp's kVK x kVD tile.
     {
@@ -316,6 +314,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
     // ---- dQ_i += dS K_j on this warp's kQR x kQD tile, straight into the f32 accumulator.
     {
+      // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the dQ_i product. (Read before
+      // dV_j and dK_j, the value held through them spilled at sm_90a.)
+      const int turn_seen = kOwnDQ ? 0 : dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
       const int tid = opaque(static_cast<int>(threadIdx.x));
       const int qs = (tid / 32) % kQRowWarps, qc = (tid / 32) / kQRowWarps, ln = tid % 32;
       const LdmRows<Br, kQRowWarps == 1 || kMQ % 4 == 0> ds_a((ln >> 4) * 8 + (ln & 7), 2 * (qs * kMQ) + ((ln >> 3) & 1));
