@@ -79,14 +79,28 @@ __device__ __forceinline__ int dq_turn_at(const AttentionParams& p, const int* s
   return dq_turn_of<Br, Bc>(Mask(p, s.nq, s.nk), i0, j0);
 }
 
-// Every thread of the block calls both with the same turn (they hold __syncthreads); thread 0 spins and
-// signals.
-__device__ __forceinline__ void dq_turn_wait(const int* slot, int turn) {
+// Thread 0's early read of the slot, for dq_turn_wait: issued well before the dQ adds (under the step's
+// products), so that its L2 round trip is off the critical path; where it already shows the turn, the wait
+// is only its barrier. An acquire, like the spin's: it synchronizes with the pass whose value it reads, and
+// dq_turn_wait's barrier then orders every thread's adds after it, as after a spin. 0 for the other threads,
+// without turns, and before sm_70 (the wait spins as before).
+__device__ __forceinline__ int dq_turn_peek(const int* slot) {
+  int seen = 0;
+#if __CUDA_ARCH__ >= 700
+  if (slot != nullptr && threadIdx.x == 0) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(slot) : "memory");
+  }
+#endif
+  return seen;
+}
+
+// Every thread of the block calls both with the same turn (they hold __syncthreads); thread 0 spins (unless
+// its early read `seen`, from dq_turn_peek, already shows the turn) and signals.
+__device__ __forceinline__ void dq_turn_wait(const int* slot, int turn, int seen = 0) {
   if (slot == nullptr || turn == 0) return;  // the first turn follows only the launch's zeroing of the counters
   if (threadIdx.x == 0) {
 #if __CUDA_ARCH__ >= 700
-    int seen;
-    for (;;) {
+    while (seen < turn) {  // the early value is stale: read again at once, then every 64 ns
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(slot) : "memory");
       if (seen >= turn) break;
       __nanosleep(64);
@@ -115,5 +129,24 @@ __device__ __forceinline__ void dq_turn_pass(int* slot, int turn) {
   if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(slot) = turn + 1;
 #endif
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+// dq_turn_pass for the key-major tensor-core kernels, made late: after the barrier that opens the block's next
+// step (or one after its loop), by thread 0, for the step with query head h and query tile i0. That barrier
+// orders every thread's adds before the release, as dq_turn_pass's own does, so the release's wait for the
+// block's reductions to reach L2 no longer holds every warp at that barrier: only warp 0 waits, while the
+// others start the step. The pass is still made before the block's next wait (which comes later in the
+// step), so no wait depends on one more pass than before (the deadlock argument above is unchanged). The
+// slot and turn are recomputed from (h, i0), so nothing is held through the step for them. Not before sm_70:
+// there a release needs every thread's fence before the barrier (dq_turn_pass).
+template <int Br, int Bc, class Mask>
+__device__ __forceinline__ void dq_turn_pass_late(const AttentionParams& p, int b, int h, int i0, int j0) {
+  if (threadIdx.x != 0) return;
+  int* const slot = dq_turn_slot<Br>(p, b, h, i0);
+  if (slot == nullptr) return;
+  const int next = dq_turn_at<Br, Bc, Mask>(p, slot, b, i0, j0) + 1;
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(slot), "r"(next) : "memory");
+}
+#endif
 
 }  // namespace cupyflash

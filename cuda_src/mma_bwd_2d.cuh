@@ -149,6 +149,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     tile_of(it, hh, i0);
     cp_async_wait<kStages - 2>();
     __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1 (sP, sdS free)
+    if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
+      if (it > 0 && threadIdx.x == 0) {
+        int hp, ip;
+        tile_of(it - 1, hp, ip);
+        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      }
+    }
     {
       const int ahead = it + kStages - 1;
       if (ahead < total) {
@@ -307,6 +314,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
     // ---- dQ_i += dS K_j on this warp's kQR x kQD tile, straight into the f32 accumulator.
     {
+      // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the dQ_i product. (Read before
+      // dV_j and dK_j, the value held through them spilled at sm_90a.)
+      const int turn_seen = kOwnDQ ? 0 : dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
       const int tid = opaque(static_cast<int>(threadIdx.x));
       const int qs = (tid / 32) % kQRowWarps, qc = (tid / 32) / kQRowWarps, ln = tid % 32;
       const LdmRows<Br, kQRowWarps == 1 || kMQ % 4 == 0> ds_a((ln >> 4) * 8 + (ln & 7), 2 * (qs * kMQ) + ((ln >> 3) & 1));
@@ -349,7 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       const SeqRows sq = seq_queries(p, bo);
       int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
       const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, bo, i0, j0);
-      dq_turn_wait(turn_slot, turn);
+      dq_turn_wait(turn_slot, turn, turn_seen);
       float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {
@@ -366,7 +376,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           }
         }
       }
-      dq_turn_pass(turn_slot, turn);
+    }
+  }
+  if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
+    if (p.dq_turns != nullptr && total > 0) {
+      __syncthreads();
+      int hp, ip;
+      tile_of(total - 1, hp, ip);
+      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
     }
   }
   cp_async_wait<0>();

@@ -151,6 +151,13 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     tile_of(it, hh, i0);
     cp_async_wait<kStages - 2>();
     __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1
+    if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
+      if (it > 0 && threadIdx.x == 0) {
+        int hp, ip;
+        tile_of(it - 1, hp, ip);
+        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      }
+    }
     {
       const int ahead = it + kStages - 1;  // into the slot step it-1 used
       if (ahead < total) {
@@ -207,6 +214,9 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
     }
 
+    // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under dP^T, dS^T and dK_j.
+    const int turn_seen = kOwnDQ ? 0 : dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
+
     // dP^T = V_j dO_i^T, dS^T = P^T (dP^T - Delta), dK_j += dS^T Q_i, one chunk of kNC query tiles at a
     // time: only one chunk of dP^T is ever live next to P^T and dK_j/dV_j (which is what lets Br = 64
     // at D = 128 stay off the stack), at the price of re-reading the V_j fragments once per chunk.
@@ -257,7 +267,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     // addresses are rebuilt here from an opaque thread index, so they hold no register before.)
     int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
     const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
-    dq_turn_wait(turn_slot, turn);
+    dq_turn_wait(turn_slot, turn, turn_seen);
     const int tid_dq = opaque(static_cast<int>(threadIdx.x));
     const int lane_dq = tid_dq % 32;
     const int qs = (tid_dq / 32) % kQRowWarps;  // strip group
@@ -309,7 +319,14 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         }
       }
     }
-    dq_turn_pass(turn_slot, turn);
+  }
+  if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
+    if (p.dq_turns != nullptr && total > 0) {
+      __syncthreads();
+      int hp, ip;
+      tile_of(total - 1, hp, ip);
+      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+    }
   }
   cp_async_wait<0>();
 

@@ -159,6 +159,13 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
     __syncthreads();               // ...for every warpgroup, which are all done with step it-1 (and dS^T)
+    if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
+      if (it > 0 && threadIdx.x == 0) {
+        int hp, ip;
+        tile_of(it - 1, hp, ip);
+        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      }
+    }
     {
       const int ahead = it + kStages - 1;  // into the slot step it-1 used
       if (ahead < total) load_step(ahead, ahead % kStages);
@@ -294,6 +301,9 @@ __global__ void __launch_bounds__(kWG * 128, 1)
                                   wgmma::desc_sw128(k_b + kk * 16 * 128), kk > 0);
     }
     wgmma::commit();
+    // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the tensor cores' dK and dQ.
+    int turn_seen = 0;
+    if constexpr (!kOwnDQ) turn_seen = dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
     wgmma::wait<0>();  // dV, dK and dQ have landed: pt, dst and the accumulators are free
     wgmma::fence_operands(acc_dq);
     wgmma::fence_operands(acc_dk);
@@ -321,7 +331,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     }
     int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
     const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
-    dq_turn_wait(turn_slot, turn);
+    dq_turn_wait(turn_slot, turn, turn_seen);
     {
       const int bo = opaque(b);
       const SeqRows sq = seq_queries(p, bo);
@@ -341,7 +351,14 @@ __global__ void __launch_bounds__(kWG * 128, 1)
         }
       }
     }
-    dq_turn_pass(turn_slot, turn);
+  }
+  if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
+    if (p.dq_turns != nullptr && total > 0) {
+      __syncthreads();
+      int hp, ip;
+      tile_of(total - 1, hp, ip);
+      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+    }
   }
   cp_async_wait<0>();
 

@@ -160,6 +160,33 @@ def test_grouped_heads_grid_order_is_reproducible(kernel, dtype, d, window, rng)
     _check_accuracy(dtype, q, k, v, do, o, lse, grads, False, window)
 
 
+# Turns v3 (cuda_src/dq_turns.cuh): thread 0 reads its turn early (dq_turn_peek) and passes it after the next
+# step's opening barrier (dq_turn_pass_late), the last step's after the loop. Long walks (a turn every step, many
+# blocks racing for the same query tiles) and one-step walks (Nq inside one query tile: every block's only pass
+# is the one after its loop, and every key tile waits on the one after it). Instantiations compiled above.
+TENSOR_CORE = [
+    ("mma", "float16", 64),  # the key-major kernel
+    ("mma", "bfloat16", 128),  # the 2-D kernel
+    pytest.param("wgmma", "bfloat16", 64, marks=_needs_hopper),
+    pytest.param("wgmma", "float16", 128, marks=_needs_hopper),
+]
+WALKS = [
+    ("long-causal", (1, 8, 2, 1536, 1536), True),
+    ("long-gqa", (2, 4, 2, 1024, 1280), False),
+    ("one-step", (2, 4, 2, 50, 1100), False),
+]
+
+
+@pytest.mark.parametrize("kernel, dtype, d", TENSOR_CORE)
+@pytest.mark.parametrize("shape, causal", [w[1:] for w in WALKS], ids=[w[0] for w in WALKS])
+def test_early_read_late_pass_is_reproducible(kernel, dtype, d, shape, causal, rng):
+    b, hq, hk, nq, nk = shape
+    q, k, v = random_qkv(rng, (b,), hq, hk, nq, nk, d, DTYPES[dtype])
+    do = rng.standard_normal(q.shape).astype(DTYPES[dtype])
+    o, lse, grads = _repeat_backward(kernel, q, k, v, do, causal, None)
+    _check_accuracy(dtype, q, k, v, do, o, lse, grads, causal, None)
+
+
 def test_deterministic_refuses_bias_grad_before_launch(rng):
     """dbias is summed by float atomics: deterministic=True with bias_grad=True says so instead of breaking the
     promise (nothing launches: the gradients' memory is never touched)."""
