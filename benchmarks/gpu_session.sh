@@ -5,6 +5,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the smoke scripts run from tests/: find the package even if pip's editable install does not take
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
 python -m pytest -q -n 12 -p no:cacheprovider -rf ${TESTS:-tests --ignore=tests/test_compile.py} 2>&1 \
   | tee "$out/pytest.log" | grep -v "^\[gw\|Warning\|warner" | tail -${TAIL:-15}
