@@ -344,6 +344,20 @@ __device__ __forceinline__ void prefetch_score_arrays(const Score& score, int q0
   if constexpr (HasPrefetch<Score>::value) score.template prefetch<kL1, kRows, kCols, kThreads>(q0, k0);
 }
 
+// A key-major backward's hint at the start of step it of a walk tile_of(step, h, i0) over `steps` steps: the
+// warp's kRows x kCols tile (queries from dq past the step's first, keys from k0) of step it + 1 into L1, a whole
+// step ahead, and at it = 0 step 0's (query head h, first query i0) with it. Nothing for scores without arrays.
+template <class Score, int kRows, int kCols, class TileOf>
+__device__ __forceinline__ void prefetch_next_step(const AttentionParams& p, int b, int it, int steps, int h, int i0,
+                                                   int dq, int k0, const TileOf& tile_of) {
+  if (it == 0) prefetch_score_arrays<true, Score, kRows, kCols>(p, b, h, i0 + dq, k0);
+  if (HasPrefetch<Score>::value && it + 1 < steps) {
+    int hn, in;
+    tile_of(it + 1, hn, in);
+    prefetch_score_arrays<true, Score, kRows, kCols>(p, b, hn, in + dq, k0);
+  }
+}
+
 // Masks that depend on (b, h) (flex_policy.cuh's FlexMask, kPerHead) take the head's values in at_head, which
 // kernels call through mask_at_head next to the score's at_head; the built-in masks do not, and compile to nothing.
 template <class M, class = void>

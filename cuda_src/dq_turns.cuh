@@ -147,6 +147,18 @@ __device__ __forceinline__ void dq_turn_pass_late(const AttentionParams& p, int 
   const int next = dq_turn_at<Br, Bc, Mask>(p, slot, b, i0, j0) + 1;
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(slot), "r"(next) : "memory");
 }
+
+// The late pass of a key-major kernel's step `step`, its (query head, query tile) from the kernel's walk
+// (tile_of(step, h, i0)): by thread 0 right after the barrier that opens step `step + 1` (or, for the last
+// step, one barrier after the loop).
+template <int Br, int Bc, class Mask, class TileOf>
+__device__ __forceinline__ void dq_turn_pass_step(const AttentionParams& p, int b, int j0, int step,
+                                                  const TileOf& tile_of) {
+  int h, i0;
+  tile_of(step, h, i0);
+  dq_turn_pass_late<Br, Bc, Mask>(p, b, h, i0, j0);
+}
+
 #endif
 
 }  // namespace cupyflash

@@ -150,11 +150,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     cp_async_wait<kStages - 2>();
     __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1 (sP, sdS free)
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
-      if (it > 0 && threadIdx.x == 0) {
-        int hp, ip;
-        tile_of(it - 1, hp, ip);
-        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
-      }
+      if (it > 0 && threadIdx.x == 0)
+        dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, it - 1, tile_of);
     }
     {
       const int ahead = it + kStages - 1;
@@ -174,15 +171,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       const LdmRows<D, true> kv_a(sw * kSK + (ln & 15), ln >> 4);                              // A: K, V
       const LdmRows<D, true> qn_b(qw * kSQ + (ln >> 4) * 8 + (ln & 7), (ln >> 3) & 1);         // B: Q, dO
       const int key0 = j0 + sw * kSK, query0 = i0 + qw * kSQ;
-      {  // Mask/bias arrays: this warp's tile of step it + 1 into L1, a whole step ahead (step 0's with it).
-        using S = typename Policy::Score;
-        if (it == 0) prefetch_score_arrays<true, S, kSQ, kSK>(p, b, hh, query0, key0);
-        if (HasPrefetch<S>::value && it + 1 < total) {
-          int hn, in;
-          tile_of(it + 1, hn, in);
-          prefetch_score_arrays<true, S, kSQ, kSK>(p, b, hn, in + qw * kSQ, key0);
-        }
-      }
+      // Mask/bias arrays: this warp's tile of step it + 1 into L1, a whole step ahead (step 0's with it).
+      prefetch_next_step<typename Policy::Score, kSQ, kSK>(p, b, it, total, hh, i0, qw * kSQ, key0, tile_of);
       const float* lse_b = sLse + buf * Br + qw * kSQ + (ln & 3) * 2;
       const float* delta_b = sDelta + buf * Br + qw * kSQ + (ln & 3) * 2;
 
@@ -338,40 +328,30 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       const int bo = opaque(b);
-      if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
-#pragma unroll
-        for (int m = 0; m < kMQ; ++m) {
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
-            if (row < p.nq) {
-              T* const out = own_dq_row<T>(p, bo, hh, row);
-#pragma unroll
-              for (int n = 0; n < kNQ; ++n) {
-                const int col = qc * kQD + n * 8 + (ln & 3) * 2;
-                if (col < d) own_dq_store2<T>(p, out, col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
-              }
-            }
-          }
-        }
-        continue;
-      }
       const SeqRows sq = seq_queries(p, bo);
-      int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
-      const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, bo, i0, j0);
-      dq_turn_wait(turn_slot, turn, turn_seen);
-      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
+      if constexpr (!kOwnDQ) {  // deterministic: add after the earlier key tiles
+        int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);
+        const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, bo, i0, j0);
+        dq_turn_wait(turn_slot, turn, turn_seen);
+      }
+      // Added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete and stored as
+      // scale * dS K_j (dq_own.cuh).
+      const int nq = kOwnDQ ? p.nq : sq.nq;
+      float* gdq = kOwnDQ ? nullptr : dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int m = 0; m < kMQ; ++m) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
-          if (row < sq.nq) {
+          if (row < nq) {
+            T* const out = kOwnDQ ? own_dq_row<T>(p, bo, hh, row) : nullptr;
 #pragma unroll
             for (int n = 0; n < kNQ; ++n) {
               const int col = qc * kQD + n * 8 + (ln & 3) * 2;
-              if (col < d)
-                red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
+              if (col < d) {
+                if constexpr (kOwnDQ) own_dq_store2<T>(p, out, col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
+                else red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
+              }
             }
           }
         }
@@ -381,9 +361,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
     if (p.dq_turns != nullptr && total > 0) {
       __syncthreads();
-      int hp, ip;
-      tile_of(total - 1, hp, ip);
-      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total - 1, tile_of);
     }
   }
   cp_async_wait<0>();

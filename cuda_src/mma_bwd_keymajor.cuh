@@ -152,11 +152,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     cp_async_wait<kStages - 2>();
     __syncthreads();  // step it landed (and K_j, V_j); every warp is done with step it-1
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
-      if (it > 0 && threadIdx.x == 0) {
-        int hp, ip;
-        tile_of(it - 1, hp, ip);
-        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
-      }
+      if (it > 0 && threadIdx.x == 0)
+        dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, it - 1, tile_of);
     }
     {
       const int ahead = it + kStages - 1;  // into the slot step it-1 used
@@ -166,15 +163,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       }
       cp_async_commit();
     }
-    {  // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
-      using S = typename Policy::Score;
-      if (it == 0) prefetch_score_arrays<true, S, Br, 16>(p, b, hh, i0, key_w);
-      if (HasPrefetch<S>::value && it + 1 < total) {
-        int hn, in;
-        tile_of(it + 1, hn, in);
-        prefetch_score_arrays<true, S, Br, 16>(p, b, hn, in, key_w);
-      }
-    }
+    // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
+    prefetch_next_step<typename Policy::Score, Br, 16>(p, b, it, total, hh, i0, 0, key_w, tile_of);
     const uint32_t sQ_u = smem_u32(sQ + buf * Br * L::kPitch);
     const uint32_t sdO_u = smem_u32(sdO + buf * Br * L::kPitch);
     const int quad2 = (opaque(static_cast<int>(threadIdx.x)) & 3) * 2;  // this lane's query pair
@@ -290,31 +280,23 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
       }
       const int bo = opaque(b);
-      if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
-          if (row < p.nq) {
-            T* const out = own_dq_row<T>(p, bo, hh, row);
-#pragma unroll
-            for (int n = 0; n < kDQ / 8; ++n) {
-              const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
-              if (col < d) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
-            }
-          }
-        }
-        continue;
-      }
+      // Added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete and stored as
+      // scale * dS K_j (dq_own.cuh).
       const SeqRows sq = seq_queries(p, bo);
-      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
+      const int nq = kOwnDQ ? p.nq : sq.nq;
+      float* gdq = kOwnDQ ? nullptr : dq_accum + scratch_row(p, sq, bo, hh) * d;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
-        if (row < sq.nq) {
+        if (row < nq) {
+          T* const out = kOwnDQ ? own_dq_row<T>(p, bo, hh, row) : nullptr;
 #pragma unroll
           for (int n = 0; n < kDQ / 8; ++n) {
             const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
-            if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+            if (col < d) {
+              if constexpr (kOwnDQ) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+              else red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+            }
           }
         }
       }
@@ -323,9 +305,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
     if (p.dq_turns != nullptr && total > 0) {
       __syncthreads();
-      int hp, ip;
-      tile_of(total - 1, hp, ip);
-      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total - 1, tile_of);
     }
   }
   cp_async_wait<0>();

@@ -10,11 +10,12 @@
 namespace cupyflash {
 namespace mma {
 
-// Set s to -inf where the mask hides a pair. s holds NT C tiles of one 16-row strip whose first row is
-// row0 and first column col0; lane (g, t) owns rows row0+g, row0+g+8 and columns col0 + 8n + 2t, +1.
-// kKeyRows: the strip is transposed (rows are keys, columns queries), as in the backward's S^T.
-template <int NT, bool kKeyRows = false, class Mask>
-__device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0, const Mask& mask) {
+// rule(x, q, k) applied to every element x of a strip: s holds NT C tiles of one 16-row strip whose first row
+// is row0 and first column col0; lane (g, t) owns rows row0+g, row0+g+8 and columns col0 + 8n + 2t, +1.
+// kKeyRows: the strip is transposed (rows are keys, columns queries), as in the backward's S^T; rule gets
+// (query, key) either way.
+template <int NT, bool kKeyRows, class Rule>
+__device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int col0, const Rule& rule) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
@@ -22,9 +23,16 @@ __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0
     for (int e = 0; e < 4; ++e) {
       const int row = row0 + (lane >> 2) + (e >> 1) * 8;
       const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
-      if (!mask.visible(kKeyRows ? col : row, kKeyRows ? row : col)) s[n][e] = -CUDART_INF_F;
+      s[n][e] = rule(s[n][e], kKeyRows ? col : row, kKeyRows ? row : col);
     }
   }
+}
+
+// Set s to -inf where the mask hides a pair (a strip as in score_elements).
+template <int NT, bool kKeyRows = false, class Mask>
+__device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0, const Mask& mask) {
+  score_elements<NT, kKeyRows>(s, row0, col0,
+                               [&](float x, int q, int k) { return mask.visible(q, k) ? x : -CUDART_INF_F; });
 }
 
 // The keep bits of a strip of NT / 2 16 x 16 blocks (8 each): one 32-bit register where they fit.
@@ -33,7 +41,7 @@ template <> struct KeepBitsOf<true> { using type = unsigned; };
 template <int NT>
 using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 
-// Dropout on a strip of probabilities (issue 16), layout as in mask_strip; row0 and col0 are multiples of 16.
+// Dropout on a strip of probabilities (issue 16), layout as in score_elements; row0 and col0 are multiples of 16.
 // dropout_bits draws the strip's keep bits (kernels may call it early: before the scores are live, or while the
 // tensor cores run), dropout_apply applies them, dropout_strip does both. Every lane of the warp must call
 // dropout_bits together (it shuffles).
@@ -193,23 +201,9 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
   return 1.f;
 }
 
-// The policy's scores for one strip (coordinates as in mask_strip), before masking. Returns the scale the
+// The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
 // 1 once a score policy has produced log2 units itself.
-template <int NT, bool kKeyRows, class Rule>
-__device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int col0, const Rule& rule) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = row0 + (lane >> 2) + (e >> 1) * 8;
-      const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
-      s[n][e] = rule(s[n][e], kKeyRows ? col : row, kKeyRows ? row : col);
-    }
-  }
-}
-
 template <int NT, bool kKeyRows = false, class Score>
 __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
                                              float scale_log2) {

@@ -160,26 +160,16 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
     __syncthreads();               // ...for every warpgroup, which are all done with step it-1 (and dS^T)
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
-      if (it > 0 && threadIdx.x == 0) {
-        int hp, ip;
-        tile_of(it - 1, hp, ip);
-        dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
-      }
+      if (it > 0 && threadIdx.x == 0)
+        dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, it - 1, tile_of);
     }
     {
       const int ahead = it + kStages - 1;  // into the slot step it-1 used
       if (ahead < total) load_step(ahead, ahead % kStages);
       cp_async_commit();
     }
-    {  // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
-      using S = typename Policy::Score;
-      if (it == 0) prefetch_score_arrays<true, S, Br, 16>(p, b, hh, i0, key_w);
-      if (HasPrefetch<S>::value && it + 1 < total) {
-        int hn, in;
-        tile_of(it + 1, hn, in);
-        prefetch_score_arrays<true, S, Br, 16>(p, b, hn, in, key_w);
-      }
-    }
+    // Mask/bias arrays: this warp's strip of step it + 1 into L1, a whole step ahead (step 0's with it).
+    prefetch_next_step<typename Policy::Score, Br, 16>(p, b, it, total, hh, i0, 0, key_w, tile_of);
     const uint32_t q_u = sQ_u + buf * kQBytes;
     const uint32_t do_u = sdO_u + buf * kQBytes;
 
@@ -310,43 +300,31 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     wgmma::fence_operands(acc_dv);
     wgmma::fence_operands(pt);
     wgmma::fence_operands(dst);
-    if constexpr (kOwnDQ) {  // the only block on these rows: dQ_i is complete, stored as scale * dS K_j
-      const int bo = opaque(b);
-      const int nq = p.nq;
-      const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
-      const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int row = row0 + hf * 8;
-        if (row < nq) {
-          T* const out = own_dq_row<T>(p, bo, hh, row);
-#pragma unroll
-          for (int n = 0; n < 8; ++n) {
-            const int col = col0 + n * 8;
-            if (col < d) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
-          }
-        }
-      }
-      continue;
+    if constexpr (!kOwnDQ) {  // deterministic: add after the earlier key tiles
+      int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);
+      const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
+      dq_turn_wait(turn_slot, turn, turn_seen);
     }
-    int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);  // deterministic: add after the earlier key tiles
-    const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
-    dq_turn_wait(turn_slot, turn, turn_seen);
-    {
+    {  // dQ_i's part, added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete
+       // and stored as scale * dS K_j (dq_own.cuh)
       const int bo = opaque(b);
       const SeqRows sq = seq_queries(p, bo);
-      const int nq = sq.nq;
-      float* gdq = dq_accum + scratch_row(p, sq, bo, hh) * d;
+      const int nq = kOwnDQ ? p.nq : sq.nq;
+      float* gdq = kOwnDQ ? nullptr : dq_accum + scratch_row(p, sq, bo, hh) * d;
       const int row0 = i0 + (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
       const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = row0 + hf * 8;
         if (row < nq) {
+          T* const out = kOwnDQ ? own_dq_row<T>(p, bo, hh, row) : nullptr;
 #pragma unroll
           for (int n = 0; n < 8; ++n) {
             const int col = col0 + n * 8;
-            if (col < d) red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+            if (col < d) {
+              if constexpr (kOwnDQ) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+              else red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
+            }
           }
         }
       }
@@ -355,9 +333,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
     if (p.dq_turns != nullptr && total > 0) {
       __syncthreads();
-      int hp, ip;
-      tile_of(total - 1, hp, ip);
-      dq_turn_pass_late<Br, Bc, typename Policy::Mask>(p, opaque(b), hp, ip, j0);
+      dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total - 1, tile_of);
     }
   }
   cp_async_wait<0>();
