@@ -187,16 +187,18 @@ def run_family(kernel, qd, kd, vd, dod, causal, cpp, block_mask=None):
     return [cupy.asnumpy(x) for x in (o, lse, *grads)]
 
 
-def _inputs(rng, shape, dtype):
+def _inputs(rng, shape, dtype, d=D):
     b, hq, hk, nq, nk = shape
-    q = rng.standard_normal((b, hq, nq, D)).astype(dtype)
-    k = rng.standard_normal((b, hk, nk, D)).astype(dtype)
-    v = rng.standard_normal((b, hk, nk, D)).astype(dtype)
+    q = rng.standard_normal((b, hq, nq, d)).astype(dtype)
+    k = rng.standard_normal((b, hk, nk, d)).astype(dtype)
+    v = rng.standard_normal((b, hk, nk, d)).astype(dtype)
     do = rng.standard_normal(q.shape).astype(dtype)
     return q, k, v, do
 
 
-def check_against_reference(dtype_name, q, k, v, do, causal, twin, got):
+def check_against_reference(dtype_name, q, k, v, do, causal, twin, got, naive_twin=None):
+    """``got`` (o, lse, dq, dk, dv) against the reference with the keywords ``twin``, and for 16 bits against the
+    naive implementation with ``naive_twin`` (default: ``twin``; the naive one knows no built-in window)."""
     o, lse, dq, dk, dv = got
     ref_kw = {n: x for n, x in twin.items()}
     o_ref, lse_ref = reference.attention_forward(q, k, v, causal, **ref_kw)
@@ -210,7 +212,7 @@ def check_against_reference(dtype_name, q, k, v, do, causal, twin, got):
             assert_float32_close(name, x, r, 1e-4)
         return
     dtype = DTYPES[dtype_name]
-    n_o, *n_g = naive(q, k, v, do, causal, twin, dtype)
+    n_o, *n_g = naive(q, k, v, do, causal, twin if naive_twin is None else naive_twin, dtype)
     assert_fa_criterion("o", o, o_ref, n_o, dtype_name, 2)
     for name, x, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, n_g):
         assert_fa_criterion(name, x, r, n, dtype_name, 3)

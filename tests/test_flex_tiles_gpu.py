@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import DTYPES, HAS_GPU, requires_gpu
-from test_flex_gpu import _dev, naive, run_family
+from test_flex_gpu import _dev, _inputs, check_against_reference, naive, run_family
 from test_variants_gpu import HOPPER, assert_fa_criterion, assert_float32_close
 
 import cupyflash
@@ -74,15 +74,6 @@ def make_case(base, rng):
     return cpp, twin, builtin
 
 
-def _inputs(rng, d, dtype):
-    b, hq, hk, nq, nk = SHAPE
-    q = rng.standard_normal((b, hq, nq, d)).astype(dtype)
-    k = rng.standard_normal((b, hk, nk, d)).astype(dtype)
-    v = rng.standard_normal((b, hk, nk, d)).astype(dtype)
-    do = rng.standard_normal(q.shape).astype(dtype)
-    return q, k, v, do
-
-
 def _with_window(twin, window):
     """The twins with the built-in window folded into mask_mod (the naive implementation knows causal only)."""
     if window is None:
@@ -99,7 +90,7 @@ def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
     dtype = DTYPES[dtype_name]
     b, hq, _, nq, nk = SHAPE
     cpp, twin, builtin = make_case(base, rng)
-    q, k, v, do = _inputs(rng, d, dtype)
+    q, k, v, do = _inputs(rng, SHAPE, dtype, d)
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     cppd = _dev(cpp)
     bm = cupyflash.create_block_mask(cppd["mask_mod"], b, hq, nq, nk, aux=cppd["aux"], block_size=block)
@@ -113,22 +104,8 @@ def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
 
     causal, window = builtin["causal"], builtin["window_size"]
     got = run_family(kernel, qd, kd, vd, dod, causal, {**cppd, "window_size": window}, block_mask=bm)
-    o, lse, dq, dk, dv = got
-    ref_kw = {**twin, "window_size": window}
-    o_ref, lse_ref = reference.attention_forward(q, k, v, causal, **ref_kw)
-    g_ref = reference.attention_backward(do, q, k, v, o_ref, lse_ref, causal, **ref_kw)[:3]
-    fin = np.isfinite(lse_ref)  # a row may see no key (the window past keys 0..7 and its document)
-    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=2e-3 if dtype_name != "float32" else 1e-5)
-    assert np.all(lse[~fin] == -np.inf)
-    if dtype_name == "float32":
-        assert_float32_close("o", o, o_ref, 1e-5)
-        for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref):
-            assert_float32_close(name, x, r, 1e-4)
-        return
-    n_o, *n_g = naive(q, k, v, do, causal, _with_window(twin, window), dtype)
-    assert_fa_criterion("o", o, o_ref, n_o, dtype_name, 2)
-    for name, x, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, n_g):
-        assert_fa_criterion(name, x, r, n, dtype_name, 3)
+    check_against_reference(dtype_name, q, k, v, do, causal, {**twin, "window_size": window}, got,
+                            naive_twin=_with_window(twin, window))  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel, dtype_name", [("portable", "float32"), ("mma", "bfloat16"),
@@ -140,7 +117,7 @@ def test_full_blocks_skip_mask_mod(kernel, dtype_name, rng):
     dtype = DTYPES[dtype_name]
     b, hq, _, nq, nk = SHAPE
     cpp, _, _ = make_case("causal", rng)
-    q, k, v, do = _inputs(rng, 64, dtype)
+    q, k, v, do = _inputs(rng, SHAPE, dtype, 64)
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     cppd = _dev(cpp)
     bm = cupyflash.create_block_mask(cppd["mask_mod"], b, hq, nq, nk, aux=cppd["aux"], block_size=64)
