@@ -1,4 +1,5 @@
-"""Where a small backward's and a linear forward's host time goes (issue 12), by parts and by cProfile. GPU machine:
+"""Where a small call's host time goes (issue 12; the forward, the backward, the linear forward and, for issue 15, a
+decode step: attention_with_kvcache at B=1, Hq=32, Hk=8, cache 4096, D=128), by parts and by cProfile. GPU machine:
     python benchmarks/dev_host_profile.py
 """
 import cProfile, pstats, io, sys, time, os
@@ -45,11 +46,17 @@ rows['key'] = per_call(lambda: (cb._key_of(False), cb._key_of(None), cupy.cuda.r
 print('backward launches:', [l.name if hasattr(l, 'name') else type(l).__name__ for l in launches], 'scratch', prep.plan.scratch)
 for k_, v_ in rows.items(): print(f"{k_:28s} {v_:8.2f} us")
 from cupyflash import linear_attention_forward
-rows2 = {'linear fwd causal': per_call(lambda: linear_attention_forward(q, k, v, causal=True))}
+qc = rng.standard_normal((1, 32, 1, 128), dtype=np.float32).astype(bf16)
+kc, vc = (rng.standard_normal((1, 8, 4096, 128), dtype=np.float32).astype(bf16) for _ in range(2))
+lens = cupy.full((1,), 4096, dtype=cupy.int32)
+decode = lambda: cupyflash.attention_with_kvcache(qc, kc, vc, cache_seqlens=lens)
+rows2 = {'linear fwd causal': per_call(lambda: linear_attention_forward(q, k, v, causal=True)),
+         'decode B=1 cache 4096': per_call(decode)}
 for k_, v_ in rows2.items(): print(f"{k_:28s} {v_:8.2f} us")
 for label, f in (("forward", lambda: cupyflash.attention_forward(q, k, v)),
                  ("backward", lambda: cupyflash.attention_backward(do, q, k, v, o, lse)),
-                 ("linear", lambda: linear_attention_forward(q, k, v, causal=True))):
+                 ("linear", lambda: linear_attention_forward(q, k, v, causal=True)),
+                 ("decode", decode)):
     pr = cProfile.Profile(); pr.enable()
     for _ in range(3000): f()
     pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('tottime').print_stats(22); print(label, s.getvalue()[-4500:])
