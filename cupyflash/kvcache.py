@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import kvcache_reference
+from . import cuda_backend, kvcache_reference  # cuda_backend imports CuPy only when a call needs it
 from .kvcache_validation import KVCacheProblem, check_kvcache, check_merge, check_values
 from .variants import LOG2E
 
@@ -155,7 +155,6 @@ class _Prepared:
                  "outputs")  # fmt: skip
 
     def __init__(self, p: KVCacheProblem, plan: Any, record: np.ndarray):
-        from .cuda_backend import _output_layout
         from .kernels import build, decode
 
         self.p, self.plan, self.record = p, plan, record
@@ -175,7 +174,8 @@ class _Prepared:
         self.decode = build.Launch(plan.decode, base)
         # o, lse (and rotary's q_rot) from one pool allocation when small: the host path of a decode step counts
         shape = (p.batch, p.hq, p.nq, p.d)
-        self.outputs = _output_layout([(shape, p.dtype), (shape[:3], _FLOAT32)] + ([(shape, p.dtype)] if rotary else []))
+        specs = [(shape, p.dtype), (shape[:3], _FLOAT32)] + ([(shape, p.dtype)] if rotary else [])
+        self.outputs = cuda_backend._output_layout(specs)
         self.workspace: dict[int, tuple[int, int, int, Any]] = {}  # stream -> (o_part, lse_part, split_count, arrays)
 
     def workspace_for(self, stream: int) -> tuple[int, int, int]:
@@ -205,19 +205,6 @@ class _Prepared:
 
 _prepared: dict[tuple, _Prepared] = {}
 
-_backend_module: Any = None
-
-
-def _backend() -> Any:
-    """cuda_backend (its array keys and output allocation), imported once: a ``from`` import inside the per-call
-    path costs microseconds each call (importlib's fromlist handling), which a decode step's host path counts."""
-    global _backend_module
-    if _backend_module is None:
-        from . import cuda_backend
-
-        _backend_module = cuda_backend
-    return _backend_module
-
 # A signature's launches share their argument buffers: one thread writes and queues them at a time.
 _launching = threading.Lock()
 
@@ -227,8 +214,7 @@ def _signature(arrays: tuple, scalars: tuple) -> tuple | None:
     the device), or None for calls that are not all CuPy (not cached). ``arrays`` in ``ARRAY_NAMES`` order,
     ``scalars`` = (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens
     enters by kind only: its value is range-checked per call, so a decode loop does not grow the cache."""
-    backend = _backend()
-    _array_key, _key_of = backend._array_key, backend._key_of
+    _array_key, _key_of = cuda_backend._array_key, cuda_backend._key_of
     seqlens = arrays[5]
     int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
     keys: list[Any] = []
@@ -302,7 +288,7 @@ def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any,
     import cupy
 
     p = prep.p
-    o, lse, *rest = _backend()._empty_outputs(prep.outputs)
+    o, lse, *rest = cuda_backend._empty_outputs(prep.outputs)
     if o.size == 0:
         return o, lse
     stream = cupy.cuda.get_current_stream().ptr
