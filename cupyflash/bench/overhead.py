@@ -16,6 +16,7 @@ array), beside SDPA on the equivalent dense call (q against the cache, ``enable_
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Sequence
@@ -113,14 +114,18 @@ extern "C" __global__ void spin(unsigned long long ns) {
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _spin_kernel() -> Any:
+    import cupy
+
+    return cupy.RawKernel(_SPIN, "spin")
+
+
 def _spin(ms: float) -> None:
     """Hold the null stream (and so every blocking stream, torch's default included) for ``ms``."""
     import cupy
 
-    kernel = _spin.__dict__.get("kernel")
-    if kernel is None:
-        kernel = _spin.__dict__["kernel"] = cupy.RawKernel(_SPIN, "spin")
-    kernel((1,), (1,), (cupy.uint64(ms * 1e6),), stream=cupy.cuda.Stream.null)
+    _spin_kernel()((1,), (1,), (cupy.uint64(ms * 1e6),), stream=cupy.cuda.Stream.null)
 
 
 def queued_us(t: Timed, host_us: float, calls: int = QUEUED_CALLS) -> float:
