@@ -840,3 +840,16 @@ def test_run_varlen_records_and_table_without_a_gpu(monkeypatch):
         assert c[6:] == ["300.0", "0.94x", "4.00x", "-"]
         assert c[5] == "n/a"
     assert any(line.startswith("- sdpa-nested n/a: no torch comparison") for line in lines)
+
+
+def test_decode_line_gives_both_times_and_both_ratios():
+    from cupyflash.bench import decode
+
+    row = {"nq": 1, "b": 8, "nk": 32768, "copy_TBps": 2.9, "floor_ms": 0.36, "ours_ms": 0.40, "ours_gpu_ms": 0.37,
+           "graph_ms": 0.368, "paged16_ms": 0.41, "paged16_gpu_ms": 0.372, "sdpa_cudnn_ms": 0.38,
+           "sdpa_cudnn_gpu_ms": 0.37 * 1.05, "of_copy_bw": 0.9, "gpu_of_copy_bw": 0.973}
+    line = decode._line(row)
+    assert "ours 0.400/0.370 ms" in line and "paged16 0.410/0.372" in line
+    assert "0.95x per call, 1.05x GPU" in line and "90%/97%" in line
+    del row["sdpa_cudnn_ms"], row["sdpa_cudnn_gpu_ms"]
+    assert "cuDNN" not in decode._line(row)
