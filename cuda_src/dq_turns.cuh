@@ -159,6 +159,16 @@ __device__ __forceinline__ void dq_turn_pass_step(const AttentionParams& p, int 
   dq_turn_pass_late<Br, Bc, Mask>(p, b, h, i0, j0);
 }
 
+// The last step's pass, one barrier after the loop (that barrier orders every thread's last adds before the
+// release): the same for every key-major kernel, so they call this after their loop (total: the block's steps).
+template <int Br, int Bc, class Mask, class TileOf>
+__device__ __forceinline__ void dq_turn_pass_last(const AttentionParams& p, int b, int j0, int total,
+                                                  const TileOf& tile_of) {
+  if (p.dq_turns == nullptr || total <= 0) return;
+  __syncthreads();
+  dq_turn_pass_step<Br, Bc, Mask>(p, b, j0, total - 1, tile_of);
+}
+
 #endif
 
 }  // namespace cupyflash

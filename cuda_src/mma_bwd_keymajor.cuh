@@ -302,12 +302,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       }
     }
   }
-  if constexpr (!kOwnDQ) {  // deterministic: the last step's pass, after every thread's adds
-    if (p.dq_turns != nullptr && total > 0) {
-      __syncthreads();
-      dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total - 1, tile_of);
-    }
-  }
+  if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total, tile_of);
   cp_async_wait<0>();
 
   // dV_j and scale * dK_j (this warp's keys and d-slice); with dropout dV took P * keep: times 1 / (1 - p).
