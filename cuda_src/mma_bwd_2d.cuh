@@ -218,10 +218,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           pt[m][n][3] = fast_exp2(fmaf(pt[m][n][3], c, -l2.y));
         }
       }
-      // Dropout: P^T negated where dropped (sP takes the kept ones, dS splits P and Z; dV scaled at the end).
+      // Dropout's keep bits, held through the step: sP takes the kept P (dV scaled at the end), dS all of P with
+      // dP zeroed where dropped.
+      KeepBits<kNS> keep[kMS] = {};
       if constexpr (Policy::Dropout::kOn) {
 #pragma unroll
-        for (int m = 0; m < kMS; ++m) dropout_strip<kNS, true, true>(pt[m], key0 + 16 * m, query0, pol.dropout);
+        for (int m = 0; m < kMS; ++m) keep[m] = dropout_bits<kNS, true>(key0 + 16 * m, query0, pol.dropout);
       }
       // Fragment (m, n) of this lane -> rows key r, r + 8 and queries (chunk, e) of the P^T/dS^T tiles.
       const int r = sw * kSK + (ln >> 2);
@@ -236,8 +238,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           pp[m][n][1] = pack2<T>(pt[m][n][2], pt[m][n][3]);
           uint32_t lo = pp[m][n][0], hi = pp[m][n][1];
           if constexpr (Policy::Dropout::kOn) {
-            lo = pack2<T>(fmaxf(pt[m][n][0], 0.f), fmaxf(pt[m][n][1], 0.f));
-            hi = pack2<T>(fmaxf(pt[m][n][2], 0.f), fmaxf(pt[m][n][3], 0.f));
+            auto kept = [&](int e2) { return is_kept<kNS, true>(keep[m], n, e2) ? pt[m][n][e2] : 0.f; };
+            lo = pack2<T>(kept(0), kept(1));
+            hi = pack2<T>(kept(2), kept(3));
           }
           *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m, chunk0 + n) + e) = lo;
           *reinterpret_cast<uint32_t*>(sP + LS::offset(r + 16 * m + 8, chunk0 + n) + e) = hi;
@@ -273,8 +276,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           float2 lq = {0.f, 0.f};
           if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
           float ds[4];
-          if constexpr (Policy::Dropout::kOn) dropout_split(p4, dpt[m][n], pol.dropout.scale);
-          ds_tile(ds, p4, dpt[m][n], dl, lq, pol.score, key0 + 16 * m, query0 + n * 8);
+          if constexpr (Policy::Dropout::kOn) dropout_zero<kNS, true>(dpt[m][n], keep[m], n);
+          ds_tile<Policy::Dropout::kOn>(ds, p4, dpt[m][n], dl, lq, pol.score, key0 + 16 * m, query0 + n * 8, true,
+                                        pol.dropout.scale);
           const uint32_t lo = pack2<T>(ds[0], ds[1]);
           const uint32_t hi = pack2<T>(ds[2], ds[3]);
           *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 16 * m, chunk0 + n) + e) = lo;

@@ -192,14 +192,16 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(pt, c, lse_b);
-    // Dropout: P^T negated where dropped (dV takes the kept ones, dS splits P and Z; scale at the end).
-    if constexpr (Policy::Dropout::kOn) dropout_strip<kNQ, true, true>(pt, key_w, i0, pol.dropout);
+    // Dropout's keep bits, held through the step: dV takes the kept P (scaled at the end), dS all of P with dP
+    // zeroed where dropped.
+    KeepBits<kNQ> keep = 0;
+    if constexpr (Policy::Dropout::kOn) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
 
     // dV_j += P^T dO_i (this warp's d-slice).
 #pragma unroll
     for (int kq = 0; kq < Br / 16; ++kq) {
       uint32_t a[4];
-      if constexpr (Policy::Dropout::kOn) pack_a_step_kept<T>(a, pt, kq);
+      if constexpr (Policy::Dropout::kOn) pack_a_step_kept<T>(a, pt, kq, keep);
       else pack_a_step<T>(a, pt, kq);
       mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
     }
@@ -229,9 +231,11 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         const float2 dl = *reinterpret_cast<const float2*>(delta_b + (ch * kNC + n) * 8);
         float2 lq = {0.f, 0.f};
         if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + (ch * kNC + n) * 8);
-        if constexpr (Policy::Dropout::kOn) dropout_split(pt[ch * kNC + n], dpt[n], pol.dropout.scale);
-        ds_tile(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w, i0 + (ch * kNC + n) * 8,
-                kDSplit == 1 || dw == 0);  // with a d split every dw warp has the same dS^T: one adds dbias
+        if constexpr (Policy::Dropout::kOn) dropout_zero<kNQ, true>(dpt[n], keep, ch * kNC + n);
+        ds_tile<Policy::Dropout::kOn>(pt[ch * kNC + n], pt[ch * kNC + n], dpt[n], dl, lq, pol.score, key_w,
+                                      i0 + (ch * kNC + n) * 8,
+                                      kDSplit == 1 || dw == 0,  // with a d split every dw warp has the same dS^T:
+                                      pol.dropout.scale);       // one adds dbias
       }
 
       // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).

@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       float alpha[2];
       online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
       // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
-      if constexpr (Policy::Dropout::kOn) dropout_strip<kNT, false, false>(s[mi], row0, j0, pol.dropout);
+      if constexpr (Policy::Dropout::kOn)
+        dropout_zero<kNT, false>(s[mi], dropout_bits<kNT, false>(row0, j0, pol.dropout));
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         acc[mi][n][0] *= alpha[0];

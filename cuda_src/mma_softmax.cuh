@@ -43,8 +43,8 @@ using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 
 // Dropout on a strip of probabilities (issue 16), layout as in score_elements; row0 and col0 are multiples of 16.
 // dropout_bits draws the strip's keep bits (kernels may call it early: before the scores are live, or while the
-// tensor cores run), dropout_apply applies them, dropout_strip does both. Every lane of the warp must call
-// dropout_bits together (it shuffles).
+// tensor cores run; the backward holds them through its step), dropout_zero and pack_a_step_kept apply them.
+// Every lane of the warp must call dropout_bits together (it shuffles).
 // One Philox draw covers a group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block (dropout.cuh): of its
 // four words this lane holds two (query-major: the words of its row parity i % 2 = g % 2; key-major, rows are
 // keys: those of its key parity j % 2 = g % 2), lane g ^ 1 the other two. So each lane pair takes two blocks at
@@ -53,7 +53,7 @@ using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 // tiles that sit at 255 registers), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
 // (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2,
 // c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
-template <int NT, bool kKeyRows, class Dropout>
+template <int NT, bool kKeyRows, bool kUnrolled = false, class Dropout>
 __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const Dropout& drop) {
   static_assert(NT % 2 == 0 && NT <= 16, "whole 16 x 16 blocks; keep bits in one 64-bit word");
   constexpr int kBlocks = NT / 2;
@@ -75,7 +75,7 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
   using Bits = KeepBits<NT>;
   constexpr int kTop = 8 * static_cast<int>(sizeof(Bits));
   Bits bits = 0;  // filled from the top, 16 bits (two blocks) per step
-#pragma unroll 1
+#pragma unroll(kUnrolled ? kBlocks / 2 : 1)
   for (int m = 0; m + 1 < kBlocks; m += 2) {  // the even lane draws block m, the odd one m + 1
     unsigned own0, own1, give0, give1;
     draw(m + odd, own0, own1, give0, give1);
@@ -92,29 +92,31 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
   return bits >> (kTop - 8 * kBlocks);
 }
 
-// kSigned = false: P *= keep (the forward, which scales O by 1 / (1 - p) once at the end: dropout_scale_o).
-// kSigned = true: P stays, negated where dropped, so that the backward can take P * keep (max(P, 0)) for dV and
-// both P and Z for dS from one set of registers.
-template <int NT, bool kKeyRows, bool kSigned, class Dropout>
-__device__ __forceinline__ void dropout_apply(float (&s)[NT][4], KeepBits<NT> bits, const Dropout& drop) {
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int bit = 8 * (n >> 1) + 4 * (e & 1) + (kKeyRows ? 2 * (e >> 1) + (n & 1) : 2 * (n & 1) + (e >> 1));
-      const bool kept = (bits >> bit) & 1;
-      if constexpr (kSigned) s[n][e] = kept ? s[n][e] : -s[n][e];
-      else s[n][e] = kept ? s[n][e] : 0.f;
-    }
-  }
+// Bit of score (n, e) of a strip in its keep bits (dropout_bits' layout).
+template <bool kKeyRows>
+__device__ __forceinline__ constexpr int keep_bit(int n, int e) {
+  return 8 * (n >> 1) + 4 * (e & 1) + (kKeyRows ? 2 * (e >> 1) + (n & 1) : 2 * (n & 1) + (e >> 1));
+}
+template <int NT, bool kKeyRows>
+__device__ __forceinline__ bool is_kept(KeepBits<NT> bits, int n, int e) {
+  return (bits >> keep_bit<kKeyRows>(n, e)) & 1;
 }
 
-template <int NT, bool kKeyRows, bool kSigned, class Dropout>
-__device__ __forceinline__ void dropout_strip(float (&s)[NT][4], int row0, int col0, const Dropout& drop) {
-  dropout_apply<NT, kKeyRows, kSigned>(s, dropout_bits<NT, kKeyRows>(row0, col0, drop), drop);
+// Zero the dropped scores of n8 tile n: the forward's P (O takes 1 / (1 - p) once at the end: dropout_scale_o)
+// and the backward's dP^T (its 1 / (1 - p) goes into ds_tile's z). The backward keeps P^T itself whole: dS needs
+// P where it was dropped too (dS = P (Z dP - Delta)), and dV takes its kept part as it is packed.
+template <int NT, bool kKeyRows>
+__device__ __forceinline__ void dropout_zero(float (&s)[4], KeepBits<NT> bits, int n) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) s[e] = is_kept<NT, kKeyRows>(bits, n, e) ? s[e] : 0.f;
+}
+template <int NT, bool kKeyRows>
+__device__ __forceinline__ void dropout_zero(float (&s)[NT][4], KeepBits<NT> bits) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) dropout_zero<NT, kKeyRows>(s[n], bits, n);
 }
 
-// The forward's O accumulators times 1 / (1 - p) (dropout_apply<..., false> kept P unscaled): once per block.
+// The forward's O accumulators times 1 / (1 - p) (dropout_zero kept P unscaled): once per block.
 template <int NT, class Dropout>
 __device__ __forceinline__ void dropout_scale_o(float (&acc)[NT][4], const Dropout& drop) {
 #pragma unroll
@@ -124,23 +126,15 @@ __device__ __forceinline__ void dropout_scale_o(float (&acc)[NT][4], const Dropo
   }
 }
 
-// From a signed P^T tile (dropout_strip<..., true>) to the inputs of ds_tile: P = |P|, and dP^T * Z with
-// Z = 1 / (1 - p) where kept, 0 where dropped, so that dS = P (Z dP - Delta).
-__device__ __forceinline__ void dropout_split(float (&pt)[4], float (&dpt)[4], float scale) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    dpt[e] = pt[e] > 0.f ? dpt[e] * scale : 0.f;  // P = 0 gives dS = 0 whatever Z
-    pt[e] = fabsf(pt[e]);
-  }
-}
-
-// pack_a_step of the kept probabilities of a signed P^T (the dropped ones are negative): dV's A operand.
+// pack_a_step of the kept probabilities of a key-major P^T (keep bits from dropout_bits<NT, true>): dV's A operand
+// (its 1 / (1 - p) is applied to dV once at the end).
 template <typename T, int NT>
-__device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (&c)[NT][4], int kk) {
-  a[0] = pack2<T>(fmaxf(c[2 * kk][0], 0.f), fmaxf(c[2 * kk][1], 0.f));
-  a[1] = pack2<T>(fmaxf(c[2 * kk][2], 0.f), fmaxf(c[2 * kk][3], 0.f));
-  a[2] = pack2<T>(fmaxf(c[2 * kk + 1][0], 0.f), fmaxf(c[2 * kk + 1][1], 0.f));
-  a[3] = pack2<T>(fmaxf(c[2 * kk + 1][2], 0.f), fmaxf(c[2 * kk + 1][3], 0.f));
+__device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (&c)[NT][4], int kk, KeepBits<NT> bits) {
+  auto kept = [&](int n, int e) { return is_kept<NT, true>(bits, n, e) ? c[n][e] : 0.f; };
+  a[0] = pack2<T>(kept(2 * kk, 0), kept(2 * kk, 1));
+  a[1] = pack2<T>(kept(2 * kk, 2), kept(2 * kk, 3));
+  a[2] = pack2<T>(kept(2 * kk + 1, 0), kept(2 * kk + 1, 1));
+  a[3] = pack2<T>(kept(2 * kk + 1, 2), kept(2 * kk + 1, 3));
 }
 
 // The backward's P^T = exp2(S^T * c - lse * log2 e) on a key-major strip: column n8 tile n, pair
@@ -228,13 +222,21 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
 }
 
 // The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
-// P^T (dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt).
+// P^T (z dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt); kZ: with dropout,
+// z = 1 / (1 - p) on a dP^T zeroed where dropped (dropout_zero), else z = 1.
 // lse_q: the tile's queries' lse (natural log), delta_q: their Delta. grad_owner: this warp gives the pairs'
 // dbias (false on the warps that recompute the same tile for other head-dim columns).
-template <class Score, class Factor>
+// z dP - Delta: with kZ (dropout) z = 1 / (1 - p), else plain dP - Delta (the kernels without dropout unchanged).
+template <bool kZ>
+__device__ __forceinline__ float dp_minus_delta(float dp, float z, float delta) {
+  if constexpr (kZ) return fmaf(dp, z, -delta);
+  else return dp - delta;
+}
+
+template <bool kZ, class Score, class Factor>
 __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
                                             float2 lse_q, const Score& score, int key0, int q0, bool grad_owner,
-                                            const Factor& factor) {
+                                            float z, const Factor& factor) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -242,7 +244,7 @@ __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4]
     const int query = q0 + (lane & 3) * 2 + (e & 1);
     const float l2 = ((e & 1) ? lse_q.y : lse_q.x) * kLog2e;
     const float f = factor(pt[e], l2, query, key);
-    const float dsc = pt[e] * (dpt[e] - ((e & 1) ? delta_q.y : delta_q.x));  // d loss / d score
+    const float dsc = pt[e] * dp_minus_delta<kZ>(dpt[e], z, (e & 1) ? delta_q.y : delta_q.x);  // d loss / d score
     if constexpr (HasBiasGrad<Score>::value) {
       if (grad_owner) score.add_dbias(dsc, query, key);
     }
@@ -250,25 +252,25 @@ __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4]
   }
 }
 
-template <class Score>
+template <bool kZ = false, class Score>
 __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
-                                        float2 lse_q, const Score& score, int key0, int q0, bool grad_owner = true) {
+                                        float2 lse_q, const Score& score, int key0, int q0, bool grad_owner = true,
+                                        float z = 1.f) {
   if constexpr (Score::kIdentity) {
-    ds[0] = pt[0] * (dpt[0] - delta_q.x);
-    ds[1] = pt[1] * (dpt[1] - delta_q.y);
-    ds[2] = pt[2] * (dpt[2] - delta_q.x);
-    ds[3] = pt[3] * (dpt[3] - delta_q.y);
+    ds[0] = pt[0] * dp_minus_delta<kZ>(dpt[0], z, delta_q.x);
+    ds[1] = pt[1] * dp_minus_delta<kZ>(dpt[1], z, delta_q.y);
+    ds[2] = pt[2] * dp_minus_delta<kZ>(dpt[2], z, delta_q.x);
+    ds[3] = pt[3] * dp_minus_delta<kZ>(dpt[3], z, delta_q.y);
   } else if constexpr (SplitsSoftcap<Score>::value) {  // no log2 and no ALiBi distance without a softcap
-    if (score.softcapped())
-      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
-        return score.template ds_factor_as<true, true>(P, l2, q, k);
-      });
-    else
-      ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [](float, float, int, int) { return 1.f; });
+    const auto capped = [&](float P, float l2, int q, int k) {
+      return score.template ds_factor_as<true, true>(P, l2, q, k);
+    };
+    const auto one = [](float, float, int, int) { return 1.f; };
+    if (score.softcapped()) ds_elements<kZ>(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, z, capped);
+    else ds_elements<kZ>(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, z, one);
   } else {
-    ds_elements(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, [&](float P, float l2, int q, int k) {
-      return score.template ds_factor<true>(P, l2, q, k);
-    });
+    const auto factor = [&](float P, float l2, int q, int k) { return score.template ds_factor<true>(P, l2, q, k); };
+    ds_elements<kZ>(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, z, factor);
   }
 }
 

@@ -220,13 +220,12 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(st, c, lse_b);
     // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows). With dropout
-    // P^T is negated where dropped: dV takes the kept ones (times 1 / (1 - p) at the end), dS splits P and Z.
+    // dV takes the kept P (times 1 / (1 - p) at the end) and dS all of P, with dP zeroed where dropped.
     uint32_t pt[Br / 16][4];
     if constexpr (Policy::Dropout::kOn) {
       if constexpr (!kEarlyBits) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
-      dropout_apply<kNQ, true, true>(st, keep, pol.dropout);
 #pragma unroll
-      for (int kk = 0; kk < Br / 16; ++kk) pack_a_step_kept<T>(pt[kk], st, kk);
+      for (int kk = 0; kk < Br / 16; ++kk) pack_a_step_kept<T>(pt[kk], st, kk, keep);
     } else {
       pack_a<T>(pt, st);
     }
@@ -246,8 +245,9 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
       float2 lq = {0.f, 0.f};
       if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
-      if constexpr (Policy::Dropout::kOn) dropout_split(st[n], dpt[n], pol.dropout.scale);
-      ds_tile(dpt[n], st[n], dpt[n], dl, lq, pol.score, key_w, i0 + n * 8);
+      if constexpr (Policy::Dropout::kOn) dropout_zero<kNQ, true>(dpt[n], keep, n);
+      ds_tile<Policy::Dropout::kOn>(dpt[n], st[n], dpt[n], dl, lq, pol.score, key_w, i0 + n * 8, true,
+                                    pol.dropout.scale);
     }
     pack_a<T>(dst, dpt);
     wgmma::fence();

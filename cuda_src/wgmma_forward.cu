@@ -133,8 +133,11 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   };
   // Tile t's dropout keep bits (none without dropout): drawn after S_t and P_{t-1} V_{t-1} are issued, so that
   // Philox's integer work runs while the tensor cores do (and before the softmax's registers are live).
+  // At D = 64 with plain scores the registers allow the draws unrolled, so ptxas interleaves their Philox chains.
+  constexpr bool kUnrolledBits = D == 64 && Policy::Score::kIdentity;
   auto keep_bits = [&](int t) {
-    if constexpr (Policy::Dropout::kOn) return dropout_bits<kNT, false>(q0 + row_w, (kt.end - 1 - t) * Bc, pol.dropout);
+    if constexpr (Policy::Dropout::kOn)
+      return dropout_bits<kNT, false, kUnrolledBits>(q0 + row_w, (kt.end - 1 - t) * Bc, pol.dropout);
     else return 0u;
   };
   // Mask (only partial tiles) and online softmax: s becomes P_t unrounded.
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
     // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
-    if constexpr (Policy::Dropout::kOn) dropout_apply<kNT, false, false>(s, keep, pol.dropout);
+    if constexpr (Policy::Dropout::kOn) dropout_zero<kNT, false>(s, keep);
   };
 
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step t issues S_t and then

@@ -4,7 +4,7 @@
   against a scalar pure-Python transcription of the round function;
 - the mask against its written rule (one draw per group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9}, counter
   (group(j), group(i), h, b), byte 2 ((j/8)%2) + (i/8)%2 of word 2 (i%2) + j%2, kept iff >= round(p 256));
-- the tensor-core kernels' way of reading it (dropout_strip: lane pairs, shuffled words, keep bits, the byte
+- the tensor-core kernels' way of reading it (dropout_bits: lane pairs, shuffled words, keep bits, the byte
   comparison by carries), transcribed lane by lane, against the mask, in both fragment layouts;
 - kept fractions within binomial bounds of the effective p, independence across seeds, heads, batches and
   the bytes of one draw;
