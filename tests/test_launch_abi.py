@@ -273,6 +273,30 @@ def test_positional_launch_rejects_python_scalars():
         build.launch_plan(plan, (np.int32(1), 5))
 
 
+def test_positional_launch_keeps_its_first_argument_kinds(monkeypatch):
+    """launch_plan reads a plan's argument kinds at its first launch only: a later call that puts a scalar where an
+    array was (or an array where a scalar was) raises before anything is queued."""
+    import cupy
+
+    from cupyflash.kernels import build
+    from cupyflash.plans import LaunchPlan
+
+    calls = []
+    monkeypatch.setattr(build, "_function_ptr", lambda plan: 0xF00)
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", lambda *a: calls.append(a))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    plan = LaunchPlan("linear_masked.cu", "k", (1, 1, 1), (32, 1, 1), 0)
+    fake = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x1000))
+    build.launch_plan(plan, (fake, np.int32(3)))
+    build.launch_plan(plan, (fake, np.int32(4)))
+    assert len(calls) == 2
+    with pytest.raises(AttributeError):
+        build.launch_plan(plan, (np.int32(1), np.int32(4)))
+    with pytest.raises(Exception):
+        build.launch_plan(plan, (fake, fake))
+    assert len(calls) == 2
+
+
 def test_ready_launches_queue_their_own_buffers(monkeypatch):
     """build.Launch and build.ArgsLaunch hand the driver their geometry, the stream and a parameter-pointer array
     that points into their own buffer (one entry per parameter), resolving the function once."""

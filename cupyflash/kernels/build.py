@@ -148,19 +148,21 @@ def set_shared_limit(fn, nbytes: int) -> None:
 def launch_plan(plan, args: tuple) -> None:
     """Launch one ``plans.LaunchPlan`` (its instantiation, grid, block and shared bytes) with positional
     arguments: CuPy arrays (passed as pointers) and NumPy scalars (int32, int64, float32), packed by
-    ``ArgsLaunch`` (CuPy's own argument conversion costs ~1 µs an argument; these kernels take ~25)."""
+    ``ArgsLaunch`` (CuPy's own argument conversion costs ~1 µs an argument; these kernels take ~25).
+    A plan's argument kinds are those of its first launch (one call site per plan; reading them per call cost
+    ~4 µs of the linear forward's host path at 36 arguments): a later array where a scalar was, or a scalar
+    where an array was, raises in ``ArgsLaunch.pack``, never launches."""
     import cupy
 
-    codes = "".join([_ARG_CODES.get(type(a), "P") for a in args])
-    key = (id(plan), codes)
     with _packing:
-        fast = _args_launches.get(key)
+        fast = _args_launches.get(id(plan))
         if fast is None or fast.plan is not plan:  # plans are cached objects; the identity check guards id reuse
+            codes = "".join([_ARG_CODES.get(type(a), "P") for a in args])
             bad = [type(a).__name__ for a, c in zip(args, codes) if c == "P" and not hasattr(a, "data")]
             if bad:
                 raise TypeError(f"{plan.name}: arguments must be CuPy arrays or NumPy int32/int64/float32 "
                                 f"scalars; got {bad}")  # fmt: skip
-            fast = _args_launches[key] = ArgsLaunch(plan, codes)
+            fast = _args_launches[id(plan)] = ArgsLaunch(plan, codes)
         fast.fire(cupy.cuda.get_current_stream().ptr, args)
 
 
@@ -268,7 +270,7 @@ def _arg_codes() -> dict[type, str]:
 
 
 _ARG_CODES = _arg_codes()  # anything else is an array, passed by its pointer
-_args_launches: dict[tuple, ArgsLaunch] = {}
+_args_launches: dict[int, ArgsLaunch] = {}  # id(plan) -> its launch
 _packing = threading.Lock()  # one thread packs and queues a shared buffer at a time
 
 
