@@ -111,6 +111,7 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   int page[kRows], slot[kRows];
+  const unsigned long long policy = mma::l2_evict_first();  // each K/V byte is read once per call
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int key = k0 + r0 + i * kRowStep;
@@ -123,8 +124,8 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
     const bool ok = col_ok && k0 + r < k_end;
     const long long ko = ok ? page[i] * p.kc_s.b + kvh * p.kc_s.h + slot[i] * p.kc_s.n + c * 8 : 0;
     const long long vo = ok ? page[i] * p.vc_s.b + kvh * p.vc_s.h + slot[i] * p.vc_s.n + c * 8 : 0;
-    mma::cp_async_16(mma::smem_u32(sK + L::offset(r, c)), kc + ko, ok ? 16 : 0);
-    mma::cp_async_16(mma::smem_u32(sV + L::offset(r, c)), vc + vo, ok ? 16 : 0);
+    mma::cp_async_16_once(mma::smem_u32(sK + L::offset(r, c)), kc + ko, ok ? 16 : 0, policy);
+    mma::cp_async_16_once(mma::smem_u32(sV + L::offset(r, c)), vc + vo, ok ? 16 : 0, policy);
   }
 }
 
