@@ -31,9 +31,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// The same copy for data read once (decode's K/V cache): an L2 evict-first policy (from l2_evict_first) and a
-// 256-byte L2 prefetch hint. Measured on decode (H100, benchmarks/NOTES.md 2026-11-25): 1-3.6% less GPU time;
-// the prefetch hint alone changed nothing.
+// The same copy for data read once (decode's K/V cache), with an L2 evict-first policy (from l2_evict_first).
+// Measured on decode (H100, benchmarks/NOTES.md 2026-11-25): 1-3.8% less GPU time; a 256-byte L2 prefetch hint,
+// alone or beside it, changed nothing.
 __device__ __forceinline__ unsigned long long l2_evict_first() {
   unsigned long long policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
@@ -41,7 +41,7 @@ __device__ __forceinline__ unsigned long long l2_evict_first() {
 }
 __device__ __forceinline__ void cp_async_16_once(uint32_t dst, const void* src, int src_bytes,
                                                  unsigned long long policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes), "l"(policy) : "memory");
 }
 // 4-byte variant (through L1), for per-row statistics that carry no 16-byte alignment.
