@@ -50,7 +50,8 @@ using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 // keys: those of its key parity j % 2 = g % 2), lane g ^ 1 the other two. So each lane pair takes two blocks at
 // a time, each lane draws one and hands the partner the two words it holds (two shuffles): one draw per 16
 // scores, none drawn twice. The bits are collected in a rolled loop (unrolled, the draws' registers spilled the
-// tiles that sit at 255 registers), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
+// tiles that sit at 255 registers; kUnrolled where there is room, so that ptxas interleaves the Philox chains:
+// the wgmma D=64 forward), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
 // (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2,
 // c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
 template <int NT, bool kKeyRows, bool kUnrolled = false, class Dropout>
@@ -221,11 +222,6 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
   }
 }
 
-// The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
-// P^T (z dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt); kZ: with dropout,
-// z = 1 / (1 - p) on a dP^T zeroed where dropped (dropout_zero), else z = 1.
-// lse_q: the tile's queries' lse (natural log), delta_q: their Delta. grad_owner: this warp gives the pairs'
-// dbias (false on the warps that recompute the same tile for other head-dim columns).
 // z dP - Delta: with kZ (dropout) z = 1 / (1 - p), else plain dP - Delta (the kernels without dropout unchanged).
 template <bool kZ>
 __device__ __forceinline__ float dp_minus_delta(float dp, float z, float delta) {
@@ -233,6 +229,11 @@ __device__ __forceinline__ float dp_minus_delta(float dp, float z, float delta) 
   else return dp - delta;
 }
 
+// The backward's dS^T of one key-major C tile (keys key0 + g, + 8; queries q0 + 2t, + 1):
+// P^T (z dP^T - Delta), times the score policy's derivative where it has one (ds may alias pt); kZ: with dropout,
+// z = 1 / (1 - p) on a dP^T zeroed where dropped (dropout_zero), else z = 1.
+// lse_q: the tile's queries' lse (natural log), delta_q: their Delta. grad_owner: this warp gives the pairs'
+// dbias (false on the warps that recompute the same tile for other head-dim columns).
 template <bool kZ, class Score, class Factor>
 __device__ __forceinline__ void ds_elements(float (&ds)[4], const float (&pt)[4], const float (&dpt)[4], float2 delta_q,
                                             float2 lse_q, const Score& score, int key0, int q0, bool grad_owner,
