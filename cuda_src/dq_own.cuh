@@ -83,4 +83,20 @@ __device__ __forceinline__ void own_dq_store2(const AttentionParams& p, T* row, 
   mma::store2<T>(row + col, p.scale * x, p.scale * y);
 }
 
+// One row of a key-major backward's dQ_i share: with kOwnDQ stored complete in dq (own_dq_row, own_dq_store2),
+// else added pair by pair into the f32 accumulator's row (gdq: the accumulator of the block's (batch, head), d
+// floats a row). Built once per row that exists, then put2 per (col, col + 1).
+template <bool kOwnDQ, typename T>
+struct DQRow {
+  T* own;
+  float* acc;
+  __device__ __forceinline__ DQRow(const AttentionParams& p, float* gdq, int b, int h, int row, int d)
+      : own(kOwnDQ ? own_dq_row<T>(p, b, h, row) : nullptr),
+        acc(kOwnDQ ? nullptr : gdq + static_cast<long long>(row) * d) {}
+  __device__ __forceinline__ void put2(const AttentionParams& p, int col, float x, float y) const {
+    if constexpr (kOwnDQ) own_dq_store2<T>(p, own, col, x, y);
+    else mma::red_add2(acc + col, x, y);
+  }
+};
+
 }  // namespace cupyflash

@@ -348,14 +348,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int hf = 0; hf < 2; ++hf) {
           const int row = i0 + qs * kQR + m * 16 + (ln >> 2) + hf * 8;
           if (row < nq) {
-            T* const out = kOwnDQ ? own_dq_row<T>(p, bo, hh, row) : nullptr;
+            const DQRow<kOwnDQ, T> out(p, gdq, bo, hh, row, d);
 #pragma unroll
             for (int n = 0; n < kNQ; ++n) {
               const int col = qc * kQD + n * 8 + (ln & 3) * 2;
-              if (col < d) {
-                if constexpr (kOwnDQ) own_dq_store2<T>(p, out, col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
-                else red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
-              }
+              if (col < d) out.put2(p, col, acc_dq[m][n][2 * hf], acc_dq[m][n][2 * hf + 1]);
             }
           }
         }

@@ -293,14 +293,11 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       for (int hf = 0; hf < 2; ++hf) {
         const int row = i0 + (qs * kQStrips + st) * 16 + (lane_dq >> 2) + hf * 8;
         if (row < nq) {
-          T* const out = kOwnDQ ? own_dq_row<T>(p, bo, hh, row) : nullptr;
+          const DQRow<kOwnDQ, T> out(p, gdq, bo, hh, row, d);
 #pragma unroll
           for (int n = 0; n < kDQ / 8; ++n) {
             const int col = qc * kDQ + n * 8 + (lane_dq & 3) * 2;
-            if (col < d) {
-              if constexpr (kOwnDQ) own_dq_store2<T>(p, out, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
-              else red_add2(gdq + static_cast<long long>(row) * d + col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
-            }
+            if (col < d) out.put2(p, col, acc_dq[n][2 * hf], acc_dq[n][2 * hf + 1]);
           }
         }
       }
