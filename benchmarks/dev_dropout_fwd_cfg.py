@@ -1,6 +1,6 @@
 """The wgmma D=64 forward's configuration against dropout's cost (issue 16): per configuration (Bc, warpgroups,
 stages, blocks per SM), the forward's time without and with dropout 0.1, bf16 B=2 H=32 N=8192 D=64, causal and
-not, one process (CUDA events, median of 20). GPU machine:
+not, one process (CUDA events, median of 30). GPU machine:
     python benchmarks/dev_dropout_fwd_cfg.py
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dev_dropout_split import median_ms  # noqa: E402
+from cupyflash.bench.decode import median_ms  # noqa: E402
 
 CONFIGS = ((64, 2, 4, 2), (128, 2, 3, 1), (64, 3, 4, 1), (128, 1, 4, 2))
 

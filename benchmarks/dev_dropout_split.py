@@ -1,5 +1,5 @@
 """Where dropout's cost is, per pass (issue 16): the forward and the backward timed apart, without and with dropout
-0.1, per family, in one process (CUDA events, median of 20 after warm-up). bf16, B*N = 16k, H*D = 2048.
+0.1, per family, in one process (CUDA events, median of 30 after warm-up). bf16, B*N = 16k, H*D = 2048.
 GPU machine:
     python benchmarks/dev_dropout_split.py [--d 64 128] [--n 2048 8192] [--kernels wgmma mma]
 """
@@ -9,25 +9,9 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def median_ms(fn, runs: int = 20, warmup: int = 3) -> float:
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
+from cupyflash.bench.decode import median_ms  # noqa: E402  (CUDA events, the median after warm-up)
 
 
 def _compile_one(job: tuple[int, bool, str, bool]) -> None:
