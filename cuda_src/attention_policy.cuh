@@ -29,6 +29,7 @@
 #include "attention_params.cuh"
 #include "common.cuh"
 #include "dropout.cuh"
+#include "score_tile.cuh"
 
 namespace cupyflash {
 
@@ -217,43 +218,76 @@ __device__ __forceinline__ void prefetch_tile(const E* slice, int sq, int nq, in
 
 // Masks and biases given as arrays (issue 17), on top of a built-in score rule Base (PlainScore or
 // ModScore): s = Base(q . k) + bias[b, h, q, k] (after softcap and ALiBi), then -inf where mask[b, h, q, k] is
-// false (ANDed with the built-in mask, which the kernels apply as before). The arrays are read through their
-// (b, h, q, k) strides, 0 along broadcast dims. Either array may be absent (a null pointer: a uniform branch);
-// BiasT is the bias's element type (float when there is none). It lives in the score hook because the score
-// is the hook that knows (b, h); the per-element cost is a load or two, and tiles are skipped only by the
-// built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the gradient of the score after the
-// bias, before the softcap's derivative) through dbias's strides: a broadcast bias adds it into an f32
-// accumulator (atomics: broadcast dims have stride 0 there, so each element sums over them); a full-shape one
-// (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its element: no atomics, no
-// accumulator, no conversion pass).
-template <class Base, class BiasT = float>
+// false (ANDed with the built-in mask, which the kernels apply as before). kMask/kBias: which arrays the call
+// has; BiasT is the bias's element type (float when there is none). The arrays are read through their
+// (b, h, q, k) strides, 0 along broadcast dims: element by element from global memory, or (kCols > 0, the
+// Hopper kernels, when the plan finds room) from a kRows x kCols tile that the kernel staged in shared memory
+// (score_tile.cuh: stage_score_tile, then use_score_tile). It lives in the score hook because the score is the hook that knows
+// (b, h); tiles are skipped only by the built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the
+// gradient of the score after the bias, before the softcap's derivative) through dbias's strides: a broadcast
+// bias adds it into an f32 accumulator (atomics: broadcast dims have stride 0 there, so each element sums over
+// them); a full-shape one (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its
+// element: no atomics, no accumulator, no conversion pass).
+template <class Base, class BiasT, bool kMask, bool kBias, int kRows = 0, int kCols = 0>
 struct ArrayScore {
   static constexpr bool kIdentity = false;
-  static constexpr bool kBiasGrad = true;
-  static constexpr bool kPrefetch = true;
+  static constexpr bool kBiasGrad = kBias;
+  static constexpr bool kStaged = kCols > 0;
+  static constexpr bool kPrefetch = !kStaged;
+  using Tile = ScoreTile<BiasT, kMask, kBias, kRows, kCols>;
   Base base;
   // The kernel's __grid_constant__ params: sizes and (q, k) strides are read from the constant bank where
   // they are used (the tensor-core kernels run at their register limit; copies would spill).
   const AttentionParams* P;
-  const unsigned char* mask = nullptr;  // this (b, h)'s slice, or null
+  const unsigned char* mask = nullptr;  // this (b, h)'s slice (not staged)
   const BiasT* bias = nullptr;
   void* dbias = nullptr;  // float* (accumulator) or BiasT* (p.dbias_direct: the output)
+  unsigned tile_bias = 0, tile_mask = 0;  // staged: the shared address the problem's element (0, 0) would have
   // (Dense calls only: the arrays are indexed by the call's (b, h, q, k), and inside() reads the call's nq, nk.)
   __device__ ArrayScore(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     base.at_head(p, b, h);
-    mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
-    bias = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
-    const long long at = b * p.dbias_s.b + h * p.dbias_s.h;
-    if (p.dbias == nullptr) dbias = nullptr;
-    else if (p.dbias_direct) dbias = reinterpret_cast<BiasT*>(p.dbias) + at;
-    else dbias = p.dbias + at;
+    if constexpr (!kStaged) {
+      mask = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
+      bias = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
+    }
+    if constexpr (kBias) {
+      const long long at = b * p.dbias_s.b + h * p.dbias_s.h;
+      if (p.dbias == nullptr) dbias = nullptr;
+      else if (p.dbias_direct) dbias = reinterpret_cast<BiasT*>(p.dbias) + at;
+      else dbias = p.dbias + at;
+    }
+  }
+  // Staged: the tile of (b, h) at (q0, k0) into shared memory at slot (tid of kThreads; cp.async, uncommitted).
+  template <int kThreads>
+  static __device__ __forceinline__ void stage(const AttentionParams& p, int b, int h, int q0, int k0, unsigned slot,
+                                               int tid) {
+    if constexpr (kBias)
+      stage_array_tile<sizeof(BiasT), kRows, kCols, Tile::kBiasPitch, kThreads>(
+          slot, static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h, p.bias_s.q, p.bias_s.k, p.nq,
+          p.nk, q0, k0, tid);
+    if constexpr (kMask)
+      stage_array_tile<1, kRows, kCols, Tile::kMaskPitch, kThreads>(
+          slot + Tile::kBiasBytes, p.mask + b * p.mask_s.b + h * p.mask_s.h, p.mask_s.q, p.mask_s.k, p.nq, p.nk, q0,
+          k0, tid);
+  }
+  // Staged: scores of (q0.., k0..) read the tile at slot from now on.
+  __device__ __forceinline__ void use_tile(unsigned slot, int q0, int k0) {
+    tile_bias = slot - q0 * Tile::kBiasPitch - k0 * static_cast<int>(sizeof(BiasT));
+    tile_mask = slot + Tile::kBiasBytes - q0 * Tile::kMaskPitch - k0;
   }
   __device__ __forceinline__ bool inside(int q, int k) const { return q < P->nq && k < P->nk; }
   // The bias in log2 units (0 outside the problem: padded rows and keys of a tile read nothing).
   __device__ __forceinline__ float bias_log2(int q, int k) const {
-    if (bias == nullptr || !inside(q, k)) return 0.f;
-    return to_float<BiasT>(bias[q * P->bias_s.q + k * P->bias_s.k]) * kLog2e;
+    if constexpr (!kBias) {
+      return 0.f;
+    } else if constexpr (kStaged) {
+      return to_float<BiasT>(staged<BiasT>(tile_bias + q * Tile::kBiasPitch + k * static_cast<int>(sizeof(BiasT)))) *
+             kLog2e;
+    } else {
+      if (bias == nullptr || !inside(q, k)) return 0.f;
+      return to_float<BiasT>(bias[q * P->bias_s.q + k * P->bias_s.k]) * kLog2e;
+    }
   }
   template <bool kFast>
   __device__ __forceinline__ float log2_score(float r, int q, int k) const {
@@ -261,10 +295,15 @@ struct ArrayScore {
     if constexpr (Base::kIdentity) x = r * P->scale_log2;
     else x = base.template log2_score<kFast>(r, q, k);
     x += bias_log2(q, k);
-    if (mask != nullptr && inside(q, k) && !mask[q * P->mask_s.q + k * P->mask_s.k]) x = -__int_as_float(0x7f800000);
-    // One element's loads are used before the next element's are issued: the compiler would otherwise hoist a
-    // whole tile's loads (a register each) and the tensor-core kernels, at their register limit, would spill.
-    asm volatile("" : "+f"(x) : : "memory");
+    if constexpr (kMask && kStaged) {
+      if (staged<unsigned char>(tile_mask + q * Tile::kMaskPitch + k) == 0) x = -__int_as_float(0x7f800000);
+    } else if constexpr (kMask) {
+      if (mask != nullptr && inside(q, k) && !mask[q * P->mask_s.q + k * P->mask_s.k]) x = -__int_as_float(0x7f800000);
+    }
+    // From global memory, one element's loads are used before the next element's are issued: the compiler would
+    // otherwise hoist a whole tile's loads (a register each) and the tensor-core kernels, at their register limit,
+    // would spill. Shared-memory reads are short enough to schedule freely.
+    if constexpr (!kStaged) asm volatile("" : "+f"(x) : : "memory");
     return x;
   }
   // The bias is added after the softcap, so the softcap's derivative sees the score without it.
@@ -273,32 +312,31 @@ struct ArrayScore {
     if constexpr (Base::kIdentity) return 1.f;
     else return base.template ds_factor<kFast>(Pij, lse2 - bias_log2(q, k), q, k);
   }
-  // Speed (issue 17): log2_score reads one element at a time (registers), so each of its loads waits for the
-  // last. A warp (or block) first asks for a tile's rows here, all lines at once and a step ahead, so that those
+  // Speed (issue 17): unstaged, log2_score reads one element at a time (registers), so each of its loads waits for
+  // the last. A warp (or block) first asks for a tile's rows here, all lines at once and a step ahead, so that those
   // loads hit L1 instead of waiting on HBM one by one (prefetch_tile; arrays whose key axis is strided or
   // broadcast are not prefetched: read as before). From this head's slices (after at_head):
-  template <bool kL1, int kRows, int kCols, int kThreads>
+  template <bool kL1, int kRows_, int kCols_, int kThreads>
   __device__ __forceinline__ void prefetch(int q0, int k0) const {
-    prefetch_slices<kL1, kRows, kCols, kThreads>(*P, bias, mask, q0, k0);
+    prefetch_slices<kL1, kRows_, kCols_, kThreads>(*P, bias, mask, q0, k0);
   }
   // ... or static, from the params alone: for kernels that issue it where no policy object is live (the
   // backward's, which build theirs per step after the products).
-  template <bool kL1, int kRows, int kCols, int kThreads>
+  template <bool kL1, int kRows_, int kCols_, int kThreads>
   static __device__ __forceinline__ void prefetch(const AttentionParams& p, int b, int h, int q0, int k0) {
     b = prefetch_opaque(b);
     h = prefetch_opaque(h);
-    const BiasT* b_slice = p.bias != nullptr ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h
-                                             : nullptr;
-    const unsigned char* m_slice = p.mask != nullptr ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
-    prefetch_slices<kL1, kRows, kCols, kThreads>(p, b_slice, m_slice, q0, k0);
+    const BiasT* b_slice = kBias ? static_cast<const BiasT*>(p.bias) + b * p.bias_s.b + h * p.bias_s.h : nullptr;
+    const unsigned char* m_slice = kMask ? p.mask + b * p.mask_s.b + h * p.mask_s.h : nullptr;
+    prefetch_slices<kL1, kRows_, kCols_, kThreads>(p, b_slice, m_slice, q0, k0);
   }
-  template <bool kL1, int kRows, int kCols, int kThreads>
+  template <bool kL1, int kRows_, int kCols_, int kThreads>
   static __device__ __forceinline__ void prefetch_slices(const AttentionParams& p, const BiasT* b_slice,
                                                          const unsigned char* m_slice, int q0, int k0) {
     if (b_slice != nullptr && p.bias_s.k == 1)
-      prefetch_tile<kL1, kRows, kCols, kThreads>(b_slice, p.bias_s.q, p.nq, p.nk, q0, k0);
+      prefetch_tile<kL1, kRows_, kCols_, kThreads>(b_slice, p.bias_s.q, p.nq, p.nk, q0, k0);
     if (m_slice != nullptr && p.mask_s.k == 1)
-      prefetch_tile<kL1, kRows, kCols, kThreads>(m_slice, p.mask_s.q, p.nq, p.nk, q0, k0);
+      prefetch_tile<kL1, kRows_, kCols_, kThreads>(m_slice, p.mask_s.q, p.nq, p.nk, q0, k0);
   }
   // dS = P (dP - Delta) of one (q, k) pair into dbias: stored when the pair owns its element (zeros too: the
   // output is not zeroed where tiles are visited), else added (zeros add nothing); pairs outside the problem
@@ -309,7 +347,57 @@ struct ArrayScore {
     if (P->dbias_direct) static_cast<BiasT*>(dbias)[at] = from_float<BiasT>(ds);
     else if (ds != 0.f) atomicAdd(static_cast<float*>(dbias) + at, ds);
   }
+ private:
+  // One element of a staged tile (a volatile load: it stays after the kernel's barrier that publishes the tile).
+  template <class E>
+  static __device__ __forceinline__ E staged(unsigned at) {
+    if constexpr (sizeof(E) == 1) {
+      unsigned short x;
+      asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(x) : "r"(at));
+      return static_cast<E>(x);
+    } else if constexpr (sizeof(E) == 2) {
+      unsigned short x;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(x) : "r"(at));
+      return *reinterpret_cast<const E*>(&x);
+    } else {
+      unsigned x;
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(at));
+      return *reinterpret_cast<const E*>(&x);
+    }
+  }
 };
+
+// Staged score arrays (the Hopper kernels: the plan names ArrayScore<..., kRows, kCols> when the tiles fit in
+// shared memory beside the kernel's own). score_tile_bytes: a staged tile's size (0: nothing to stage).
+template <class S, class = void>
+struct IsStaged {
+  static constexpr bool value = false;
+};
+template <class S>
+struct IsStaged<S, decltype(void(S::kStaged))> {
+  static constexpr bool value = S::kStaged;
+};
+template <class Score>
+__device__ __host__ constexpr int score_tile_bytes() {
+  if constexpr (IsStaged<Score>::value) return Score::Tile::kBytes;
+  else return 0;
+}
+// Is a staged score's tile kRows x kCols (the kernel's own)? True for scores without one.
+template <class Score, int kRows, int kCols>
+__device__ __host__ constexpr bool score_tile_is() {
+  if constexpr (IsStaged<Score>::value) return Score::Tile::kTileRows == kRows && Score::Tile::kTileCols == kCols;
+  else return true;
+}
+// A step's score-array tile into its slot / scores read from it; nothing for scores without staged arrays.
+template <class Score, int kThreads>
+__device__ __forceinline__ void stage_score_tile(const AttentionParams& p, int b, int h, int q0, int k0, unsigned slot,
+                                                 int tid) {
+  if constexpr (IsStaged<Score>::value) Score::template stage<kThreads>(p, b, h, q0, k0, slot, tid);
+}
+template <class Score>
+__device__ __forceinline__ void use_score_tile(Score& score, unsigned slot, int q0, int k0) {
+  if constexpr (IsStaged<Score>::value) score.use_tile(slot, q0, k0);
+}
 
 // Does a score type take the bias gradient hook (add_dbias)? Built-in scores do not.
 template <class S, class = void>

@@ -51,6 +51,10 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   constexpr int kQBytes = Br * D * 2;
   constexpr int kSlabBytesKV = Bc * 128;
   constexpr int kSlabBytesQ = Br * 128;
+  // Staged mask/bias tiles (ArrayScore<..., Br, Bc>, when the plan found room): one per Q_i/dO_i ring slot, the
+  // step's Br queries x this block's Bc keys, copied in the same group as that step's Q_i and dO_i.
+  constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
+  static_assert(score_tile_is<typename Policy::Score, Br, Bc>(), "score tiles staged as the kernel's Br x Bc");
 
   // wgmma's swizzle pattern repeats every 1024 bytes: the host asks for 1 KB extra to align the base.
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -61,6 +65,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   const uint32_t sdO_u = sQ_u + kStages * kQBytes;  // [kStages] tiles
   const uint32_t sdS_u = sdO_u + kStages * kQBytes;  // dS^T: Bc keys x Br queries, Br / 64 slabs
   const uint32_t sStat_u = sdS_u + Bc * Br * 2;     // [kStages][2][Br] f32: lse, Delta
+  const uint32_t sScore_u = sStat_u + kStages * 2 * Br * 4;  // [kStages] score-array tiles (none: 0 bytes)
   auto at = [&](uint32_t u) { return smem_raw + (u - raw_u); };
   T* const sK = reinterpret_cast<T*>(at(sK_u));
   T* const sV = reinterpret_cast<T*>(at(sV_u));
@@ -120,6 +125,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
                                   : delta + scratch_row(p, sq, bo, hh) + i;
       cp_async_4(smem_u32(sStat + buf * 2 * Br + tid), src, nbytes);
     }
+    stage_score_tile<typename Policy::Score, kThreads>(p, bo, hh, i0, j0, sScore_u + buf * kScoreBytes, tid);
   };
 
   float acc_dv[D / 8][4], acc_dk[D / 8][4];
@@ -216,6 +222,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     pol.score.at_head(p, b, hh);
     mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
+    use_score_tile(pol.score, sScore_u + buf * kScoreBytes, i0, j0);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(st, c, lse_b);

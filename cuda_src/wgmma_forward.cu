@@ -25,6 +25,12 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   constexpr int kTileBytesK = kSlabs * kSlabBytesK;
   static_assert(D % 64 == 0 && (Bc == 64 || Bc == 128) && (D == 64 || D == 128), "instantiated shapes");
   static_assert(kStages >= 3, "tile t+1 loads into the slot of tile t-2 while P V_{t-1} reads its own");
+  // Staged mask/bias tiles (attention_policy.cuh's ArrayScore<..., Br, Bc>): two slots, tile t in slot t % 2.
+  // Tile t+1's copies are issued with its K/V after step t's barrier; slot (t+1) % 2 was last read by step
+  // t-1's softmax, which every thread finished before that barrier.
+  constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
+  static_assert(score_tile_is<typename Policy::Score, Br, Bc>(),
+                "score tiles staged as the kernel's Br x Bc");
 
   // wgmma's swizzle pattern repeats every 1024 bytes: the host asks for 1 KB extra to align the base.
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -32,6 +38,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   const uint32_t sQ_u = (raw_u + 1023u) & ~1023u;
   const uint32_t sK_u = sQ_u + Br * D * 2;
   const uint32_t sV_u = sK_u + kStages * kTileBytesK;
+  const uint32_t sScore_u = sV_u + kStages * kTileBytesK;  // [2] score-array tiles (none: 0 bytes)
   T* const sQ = reinterpret_cast<T*>(smem_raw + (sQ_u - raw_u));
   T* const sK = reinterpret_cast<T*>(smem_raw + (sK_u - raw_u));
   T* const sV = reinterpret_cast<T*>(smem_raw + (sV_u - raw_u));
@@ -67,6 +74,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
       load_tile_async<T, 64, Bc, kThreads>(sV + (slot * kSlabs + sl) * Bc * 64, gV + j0 * p.v_s.n + 64 * sl, p.v_s.n,
                                            seq.nk - j0, p.d - 64 * sl, threadIdx.x);
     }
+    stage_score_tile<typename Policy::Score, kThreads>(p, b, h, q0, j0, sScore_u + (t & 1) * kScoreBytes, threadIdx.x);
     cp_async_commit();
   };
 
@@ -144,6 +152,7 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
   auto softmax = [&](float (&s)[kNT][4], int t, float (&alpha)[2], KeepBits<kNT> keep) {
     const int j0 = (kt.end - 1 - t) * Bc;
     const int row0 = q0 + row_w;
+    use_score_tile(pol.score, sScore_u + (t & 1) * kScoreBytes, q0, j0);
     const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);

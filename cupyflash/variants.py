@@ -23,6 +23,8 @@ from .dropout import keep_scale as dropout_keep_scale
 from .dropout import threshold as dropout_threshold
 
 LOG2E = 1.4426950408889634
+#: Bytes of a bias element by its C++ type.
+_BIAS_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,26 @@ class Variant:
 
     @property
     def score_name(self) -> str:
+        return self._score_name()
+
+    @property
+    def arrays(self) -> bool:
+        """Does the score read mask/bias arrays (ArrayScore)?"""
+        return self.flex is None and bool(self.mask or self.bias)
+
+    def staged_policy(self, rows: int, cols: int) -> str:
+        """``cpp_policy`` with the score arrays read from rows x cols tiles staged in shared memory (the Hopper
+        kernels' ArrayScore<..., kRows, kCols>; ``score_tile_bytes`` is a tile's size)."""
+        return self._policy(self._score_name((rows, cols)))
+
+    def score_tile_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of one staged tile (cuda_src/score_tile.cuh's ScoreTile::kBytes): rows padded by 16 bytes."""
+        if not self.arrays:
+            return 0
+        bias = rows * (cols * _BIAS_BYTES[self.bias] + 16) if self.bias else 0
+        return bias + (rows * (cols + 16) if self.mask else 0)
+
+    def _score_name(self, tile: tuple[int, int] | None = None) -> str:
         base = "ModScore" if (self.softcap > 0 or self.alibi) else "PlainScore"
         if self.flex is not None:  # user snippets ride on the built-in score rule (flex_policy.cuh)
             from .flex import USER
@@ -99,16 +121,21 @@ class Variant:
             return f"FlexScore<cupyflash::{base}, cupyflash::ScoreFns<{USER}>>" if self.flex.score_mod else base
         if not (self.mask or self.bias):
             return base
-        # Mask and bias arrays ride on the built-in score rule (ArrayScore); the bias's type is a template
-        # argument (float when there is no bias: the pointer is then null).
-        return f"ArrayScore<cupyflash::{base}, {self.bias or 'float'}>"
+        # Mask and bias arrays ride on the built-in score rule (ArrayScore<Base, BiasT, kMask, kBias>); the bias's
+        # type is a template argument (float when there is no bias).
+        flags = ", ".join("true" if x else "false" for x in (self.mask, self.bias))
+        staged = f", {tile[0]}, {tile[1]}" if tile else ""
+        return f"ArrayScore<cupyflash::{base}, {self.bias or 'float'}, {flags}{staged}>"
 
     @property
     def cpp_policy(self) -> str:
         """The C++ ``Policy`` type the kernels of this call are instantiated with."""
+        return self._policy(self.score_name)
+
+    def _policy(self, score: str) -> str:
         if self.dropout > 0:
-            return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}, cupyflash::Dropout>"
-        return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{self.score_name}>"
+            return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{score}, cupyflash::Dropout>"
+        return f"cupyflash::Policy<cupyflash::{self.mask_name}, cupyflash::{score}>"
 
     def params(self, scale: float, nq: int, nk: int) -> dict[str, Any]:
         """The policy's run-time fields of ``AttentionParams``."""

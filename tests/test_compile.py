@@ -85,13 +85,19 @@ def array_jobs() -> list[tuple[str, str, str, str]]:
     """Mask/bias policies (issue 17, ``variants.ARRAYS``): a small representative set, not the cross product
     (CI time): per family and source, the first two kernel configurations of bfloat16 (float32 for the portable
     family) with each ARRAYS policy, for one architecture per family (sm_80; sm_90a for wgmma): the built-in
-    policies already cover the architectures. 30 instantiations."""
+    policies already cover the architectures; for wgmma, the forward and backward its plans launch at D = 64 and
+    128 (staged score tiles, or not where they do not fit), with a mask or a bias alone too. 38 instantiations."""
     from cupyflash.kernels import mma, portable, wgmma
     from cupyflash.variants import ARRAYS, Variant
 
+    from cupyflash.plans import wgmma as pw
+
     plain = Variant().cpp_policy
-    jobs = []
-    for fam in (portable, mma, wgmma):
+    # wgmma: the kernels its plans launch on an H100 (score tiles staged in shared memory where they fit), also
+    # with a mask alone and a bias alone (the benchmark's cases; their tiles differ in size)
+    staged = ARRAYS + (Variant(mask=True), Variant(bias="__nv_bfloat16"))
+    jobs = [(wgmma.NAME, source, expr, ARCHS[wgmma.NAME][0]) for source, expr in pw.array_instantiations(staged)]
+    for fam in (portable, mma):
         per_source: dict[tuple[str, str], int] = {}
         for source, expr in fam.instantiations():
             if plain not in expr or "__half" in expr:

@@ -308,7 +308,7 @@ def test_params_get_four_strides_per_score_array():
     g = Geometry(B, {"q": (1, 2, 3), "mask": (0, 0, NK)}, ({"q": 0, "mask": 0},), True, {"mask": 1})
     rec = np.frombuffer(base_params(p, g, True).to_bytes(), PARAMS)[0]
     assert tuple(rec["mask_s"]) == (0, 0, NK, 1) and tuple(rec["q_s"]) == (1, 2, 3)
-    assert "ArrayScore<cupyflash::PlainScore, float>" in p.variant.cpp_policy
+    assert "ArrayScore<cupyflash::PlainScore, float, true, false>" in p.variant.cpp_policy
 
 
 def test_host_layout_of_broadcast_arrays_through_the_params():
@@ -347,4 +347,4 @@ def test_host_layout_of_broadcast_arrays_through_the_params():
     assert tuple(rec["mask_s"]) == (0, 0, 2 * NK, 2)  # b (inner batch broadcast), h broadcast, q, k (every other)
     assert tuple(rec["bias_s"]) == (0, NK, 0, 1)
     assert tuple(rec["dbias_s"]) == (0, NK, 0, 1)
-    assert "ArrayScore<cupyflash::PlainScore, __half>" in p.variant.cpp_policy
+    assert "ArrayScore<cupyflash::PlainScore, __half, true, true>" in p.variant.cpp_policy

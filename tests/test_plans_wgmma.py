@@ -136,3 +136,67 @@ def test_backward_grid_order_under_causal():
     assert gqa.heads_on_x
     huge = plans.plan_backward(70000, 1, 1, 64, 64, 64, "__half", H100)  # B*Hk past gridDim.y
     assert huge.heads_on_x and huge.main.grid[0] == 70000
+
+
+# ---------------------------------------------------------------------- staged mask/bias tiles (issue 17 speed)
+
+STAGED_CASES = [Variant(mask=True), Variant(bias="__nv_bfloat16"), Variant(causal=True, mask=True, bias="__half"),
+                Variant(mask=True, bias="float"), Variant(bias="float", dropout=0.1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", STAGED_CASES, ids=lambda v: f"mask={v.mask}-bias={v.bias}")
+@pytest.mark.parametrize("d", [64, 128])
+def test_array_plans_stage_score_tiles_where_they_fit(variant, d):
+    """A call with mask/bias arrays gets the staged ArrayScore<..., Br, Bc> and the tiles' shared memory (two slots
+    in the forward, one per ring slot in the backward) exactly when that fits an H100 block; else the unstaged
+    policy and the kernel's own size. The forward's array configuration keeps two blocks per SM at D = 64 with a
+    16-bit bias."""
+    fwd = plans.plan_forward(2, 4, 1000, d, "__nv_bfloat16", H100, variant=variant).main
+    bwd = plans.plan_backward(2, 4, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant).main
+    fcfg, bcfg = plans.ARRAY_FORWARD_CONFIGS[d], plans.BACKWARD_CONFIGS[d]
+    for main, cfg, slots in ((fwd, fcfg, 2), (bwd, bcfg, bcfg.stages)):
+        staged = cfg.shared_bytes + slots * variant.score_tile_bytes(cfg.br, cfg.bc)
+        fits = staged <= H100.max_shared_per_block
+        assert main.shared_bytes == (staged if fits else cfg.shared_bytes) <= H100.max_shared_per_block
+        tile = f", {cfg.br}, {cfg.bc}>"
+        assert (tile in main.name) == fits and main.name.count("ArrayScore<") == 1
+    assert f"<__nv_bfloat16, {d}, {fcfg.bc}, 2, {fcfg.stages}," in fwd.name  # the array configuration
+    if d == 64 and variant.bias != "float":
+        assert 2 * fwd.shared_bytes <= 228 * 1024 or (variant.mask and variant.bias)
+    # the plain problem keeps the plain configuration and policy
+    plain = plans.plan_forward(2, 4, 1000, d, "__nv_bfloat16", H100).main
+    assert plain.name == plans.FORWARD_CONFIGS[d].name("__nv_bfloat16", Variant().cpp_policy)
+
+
+def test_score_tile_bytes_by_hand():
+    v = Variant(mask=True, bias="__nv_bfloat16")
+    assert v.score_tile_bytes(128, 64) == 128 * (64 * 2 + 16) + 128 * (64 + 16)
+    assert Variant(bias="float").score_tile_bytes(64, 128) == 64 * (128 * 4 + 16)
+    assert Variant(mask=True).score_tile_bytes(64, 128) == 64 * (128 + 16)
+    assert Variant(causal=True).score_tile_bytes(64, 64) == 0
+    assert Variant(mask=True).staged_policy(128, 64) == (
+        "cupyflash::Policy<cupyflash::NoMask, cupyflash::ArrayScore<cupyflash::PlainScore, float, true, false, 128, 64>>"
+    )
+
+
+from test_compile import NVRTC_REASON  # noqa: E402
+
+
+@pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
+def test_score_tile_bytes_match_cpp():
+    """Variant.score_tile_bytes is ScoreTile<...>::kBytes of the staged ArrayScore (through NVRTC), so the plans
+    ask for the shared memory the kernels lay out."""
+    import re
+
+    from test_launch_abi import _ptx
+
+    combos = [(v, r, c) for v in STAGED_CASES for r, c in ((128, 64), (64, 128), (128, 128))]
+    exprs = [f"cupyflash::score_tile_bytes<cupyflash::{v._score_name((r, c))}>()" for v, r, c in combos]
+    probe = ('#include "attention_policy.cuh"\nextern "C" __device__ unsigned long long cupyflash_sizes[] = {\n  '
+             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
+    ptx = _ptx(probe, [], "compute_90a")
+    m = re.search(r"\.(b8|u64) cupyflash_sizes\[\d+\] = \{([^}]*)\}", ptx)
+    raw = [int(x) for x in m.group(2).split(",")]
+    if m.group(1) == "b8":
+        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
+    assert raw == [v.score_tile_bytes(r, c) for v, r, c in combos]

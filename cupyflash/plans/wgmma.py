@@ -67,14 +67,33 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     64: ForwardConfig(64, bc=64, stages=4, min_blocks=2),
     128: ForwardConfig(128, bc=128, stages=3),
 }
+#: With mask/bias arrays (issue 17) the forward stages two Br x Bc tiles of them beside its K/V ring
+#: (score_tile.cuh), so its ring is shorter: D = 64 keeps two blocks per SM with a bf16 bias (3 stages: 103 KB),
+#: D = 128 goes to Bc = 64 (the Bc = 128 ring alone takes 225 KB).
+ARRAY_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
+    64: ForwardConfig(64, bc=64, stages=3, min_blocks=2),
+    128: ForwardConfig(128, bc=64, stages=3),
+}
 
 
-def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
+def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant()) -> ForwardConfig | None:
     pd = padded_head_dim(d)
     if pd is None or limits.compute_capability != COMPUTE_CAPABILITY:
         return None
-    cfg = FORWARD_CONFIGS[pd]
+    cfg = (ARRAY_FORWARD_CONFIGS if variant.arrays else FORWARD_CONFIGS)[pd]
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+
+
+def staged_policy(variant: Variant, rows: int, cols: int, slots: int, shared_bytes: int, limits: DeviceLimits
+                  ) -> tuple[str, int]:  # fmt: skip
+    """(C++ policy, shared bytes) of a kernel with ``shared_bytes`` of its own: a call with mask/bias arrays gets
+    ``slots`` staged rows x cols tiles of them (``Variant.staged_policy``) where they fit beside the kernel's
+    tiles, else reads them from global memory element by element (as the mma family does)."""
+    if variant.arrays:
+        staged = shared_bytes + slots * variant.score_tile_bytes(rows, cols)
+        if staged <= limits.max_shared_per_block:
+            return variant.staged_policy(rows, cols), staged
+    return variant.cpp_policy, shared_bytes
 
 
 def _heads_first(longest_first: bool, heads: int, sm_count: int, tiles: int = 1) -> bool:
@@ -95,14 +114,14 @@ def plan_forward(
     config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
-    cfg = config or forward_config(d, limits)
+    cfg = config or forward_config(d, limits, variant)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    name = cfg.name(ctype, variant.cpp_policy)
-    main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    policy, smem = staged_policy(variant, cfg.br, cfg.bc, 2, cfg.shared_bytes, limits)  # slots: tiles t, t + 1
+    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
 
 
@@ -162,8 +181,9 @@ def plan_backward(
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     own = owns_dq(tiles, total)
-    name = cfg.name(ctype, variant.cpp_policy, own)
-    main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
+                      max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype, own)
 
 
@@ -176,4 +196,20 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
         for pol in (v.cpp_policy for v in variants):
             out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
+    return out
+
+
+def array_instantiations(variants: tuple[Variant, ...], ctypes: tuple[str, ...] = ("__nv_bfloat16",),
+                         limits: DeviceLimits | None = None) -> list[tuple[str, str]]:  # fmt: skip
+    """The forward and backward main kernels that calls with mask/bias ``variants`` launch on ``limits`` (an H100
+    by default): staged or not as ``plan_forward``/``plan_backward`` decide."""
+    from . import H100
+
+    limits = limits or H100
+    out: list[tuple[str, str]] = []
+    for ct in ctypes:
+        for v in variants:
+            for d in FORWARD_CONFIGS:
+                out.append((FORWARD_SOURCE, plan_forward(1, 1, 1024, d, ct, limits, variant=v).main.name))
+                out.append((BACKWARD_SOURCE, plan_backward(1, 1, 1, 1024, 1024, d, ct, limits, variant=v).main.name))
     return out
