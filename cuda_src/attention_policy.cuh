@@ -378,13 +378,13 @@ struct IsStaged<S, decltype(void(S::kStaged))> {
   static constexpr bool value = S::kStaged;
 };
 template <class Score>
-__device__ __host__ constexpr int score_tile_bytes() {
+__device__ constexpr int score_tile_bytes() {
   if constexpr (IsStaged<Score>::value) return Score::Tile::kBytes;
   else return 0;
 }
 // Is a staged score's tile kRows x kCols (the kernel's own)? True for scores without one.
 template <class Score, int kRows, int kCols>
-__device__ __host__ constexpr bool score_tile_is() {
+__device__ constexpr bool score_tile_is() {
   if constexpr (IsStaged<Score>::value) return Score::Tile::kTileRows == kRows && Score::Tile::kTileCols == kCols;
   else return true;
 }
