@@ -339,13 +339,13 @@ struct ArrayScore {
       prefetch_tile<kL1, kRows_, kCols_, kThreads>(m_slice, p.mask_s.q, p.nq, p.nk, q0, k0);
   }
   // dS = P (dP - Delta) of one (q, k) pair into dbias: stored when the pair owns its element (zeros too: the
-  // output is not zeroed where tiles are visited), else added (zeros add nothing); pairs outside the problem
-  // touch nothing.
+  // output is not zeroed where tiles are visited), else added (zeros too: a test per pair would branch around
+  // each reduction); pairs outside the problem touch nothing.
   __device__ __forceinline__ void add_dbias(float ds, int q, int k) const {
     if (dbias == nullptr || !inside(q, k)) return;
     const int at = q * P->dbias_s.q + k * P->dbias_s.k;
     if (P->dbias_direct) static_cast<BiasT*>(dbias)[at] = from_float<BiasT>(ds);
-    else if (ds != 0.f) atomicAdd(static_cast<float*>(dbias) + at, ds);
+    else atomicAdd(static_cast<float*>(dbias) + at, ds);
   }
  private:
   // One element of a staged tile (a volatile load: it stays after the kernel's barrier that publishes the tile).
@@ -467,25 +467,24 @@ __device__ __forceinline__ float sink_log2(const AttentionParams& p, int h) {
   return p.sinks != nullptr ? p.sinks[h] * kLog2e : -__int_as_float(0x7f800000);
 }
 
-// dsinks from a per-row kernel (one warp per row, kWarps consecutive rows per block): d sink_h = -sum over rows
-// of P_sink * Delta. Every thread of the block calls it (it holds a barrier); lane 0 of each warp brings its row's
-// share (0 for a row past the end) and head, and thread 0 adds one atomic per run of equal heads. One float
-// atomic per row, all rows of a head on one address, serialised at the L2: 0.9 ms of a 7.7 ms backward at
-// B = 1, H = 16, N = 16k (issue 13's sinks row measured 0.89x of plain).
-template <int kWarps>
-__device__ __forceinline__ void add_dsinks_block(const AttentionParams& p, int h, float share) {
-  __shared__ float s_share[kWarps];
-  __shared__ int s_head[kWarps];
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    s_share[warp] = share;
-    s_head[warp] = h;
+// dsinks from a per-row kernel (kSlots rows per block, row slot `slot`): d sink_h = -sum over rows of P_sink * Delta.
+// Every thread of the block calls it (it holds a barrier); the row's leader brings its share (0 for a row past the
+// end) and head, and thread 0 adds one atomic per run of equal heads. One float atomic per row, all rows of a head
+// on one address, serialised at the L2: 0.9 ms of a 7.7 ms backward at B = 1, H = 16, N = 16k (issue 13's sinks
+// row measured 0.89x of plain).
+template <int kSlots>
+__device__ __forceinline__ void add_dsinks_block(const AttentionParams& p, int h, float share, int slot, bool leader) {
+  __shared__ float s_share[kSlots];
+  __shared__ int s_head[kSlots];
+  if (leader) {
+    s_share[slot] = share;
+    s_head[slot] = h;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     float run = s_share[0];
     int head = s_head[0];
-    for (int w = 1; w < kWarps; ++w) {
+    for (int w = 1; w < kSlots; ++w) {
       if (s_head[w] != head) {
         if (run != 0.f) atomicAdd(p.dsinks + head, run);
         run = 0.f;

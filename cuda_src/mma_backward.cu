@@ -22,12 +22,16 @@ using namespace cupyflash::mma;
 #include "mma_bwd_keymajor.cuh"
 #include "mma_bwd_2d.cuh"
 
-// Delta = rowsum(dO * O) in f32, one warp per query row; the row's dQ accumulator is zeroed too, and with
-// attention sinks the rows' shares of dsinks are added (one atomic per block and head: add_dsinks_block).
-template <typename T>
+// Delta = rowsum(dO * O) in f32, kLanes lanes per query row (kLanes * 8 >= d: a 16-byte load of dO and of O per
+// lane; 256 / kLanes rows a block); the row's dQ accumulator is zeroed too, and with attention sinks the rows'
+// shares of dsinks are added (one atomic per block and head: add_dsinks_block). Measured at D = 64 (H100): a warp per
+// row kept 24 of its 32 lanes idle and ran at half the copy bandwidth (176 us at B*H*N = 512k rows).
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ AttentionParams p) {
-  const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32, "a power-of-two share of a warp");
+  constexpr int kRows = 256 / kLanes;
+  const int sub = threadIdx.x % kLanes;
+  const long long r = static_cast<long long>(blockIdx.x) * kRows + threadIdx.x / kLanes;
   const bool live = r < p.rows;
   const int nq = row_extent(p);  // varlen: the packed (Hq, total_q) rows, as one batch
   const int i = static_cast<int>(r % nq);
@@ -38,7 +42,7 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
   if (live) {
     const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
     const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n;
-    for (int c = lane * 8; c < p.d; c += 256) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
+    for (int c = sub * 8; c < p.d; c += kLanes * 8) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
       const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
       const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
       const T* xs = reinterpret_cast<const T*>(&x);
@@ -48,19 +52,19 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
     }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  for (int off = kLanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (p.dsinks != nullptr) {  // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse)
     float share = 0.f;
     if (live) {
       const float l = p.lse[b * p.lse_s.b + h * p.lse_s.h + i * p.lse_s.n];
       if (l != -CUDART_INF_F) share = -__expf(p.sinks[h] - l) * sum;
     }
-    add_dsinks_block<8>(p, h, share);
+    add_dsinks_block<kRows>(p, h, share, threadIdx.x / kLanes, sub == 0);
   }
   if (!live) return;
-  if (lane == 0) p.delta[r] = sum;
+  if (sub == 0) p.delta[r] = sum;
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + r * p.d);
-  for (int c = lane; c < p.d / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c = sub; c < p.d / 4; c += kLanes) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // dQ = scale * accumulator, written in T with dq's strides; one warp per query row.

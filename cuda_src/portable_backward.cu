@@ -44,7 +44,9 @@ portable_bwd_delta(const __grid_constant__ AttentionParams p) {  // 256 threads 
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     // d sink_h = -sum over rows of P_sink * Delta, P_sink = exp(sink_h - lse); a -inf sink of a row that saw no
     // key (lse = -inf) adds 0, not NaN. One atomic per block and head (add_dsinks_block).
-    if (p.dsinks != nullptr) add_dsinks_block<8>(p, h, live && lse != neg_inf() ? -expf(p.sinks[h] - lse) * acc : 0.f);
+    if (p.dsinks != nullptr)
+        add_dsinks_block<8>(p, h, live && lse != neg_inf() ? -expf(p.sinks[h] - lse) * acc : 0.f, threadIdx.x / 32,
+                            lane == 0);
     if (live && lane == 0) {
         p.delta[row] = acc;
         p.lse_log2[row] = lse * kLog2e;  // -inf stays -inf

@@ -256,7 +256,7 @@ def plan_backward(
     own = owns_dq(tiles, total)
     name = cfg.name(ctype, variant.cpp_policy, own)
     main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
-    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype, own)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
@@ -268,5 +268,6 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]
-        out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}>"), (BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}, {lanes}>") for lanes in (8, 16, 32)]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
     return out

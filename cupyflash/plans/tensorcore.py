@@ -34,6 +34,7 @@ class BackwardPlan:
     rows: int  # B * Hq * Nq: rows of Delta and of the dQ accumulator
     heads_on_x: bool  # params.heads_fastest: how main.grid maps to (kv head, key tile)
     own_dq: bool = False  # main is the kOwnDQ kernel: Delta and dQ itself, delta and convert are not launched
+    delta_lanes: int = 8  # the Delta kernel's lanes per row (delta_lanes)
 
 
 def owns_dq(key_tiles: int, total: int | None) -> bool:
@@ -42,22 +43,31 @@ def owns_dq(key_tiles: int, total: int | None) -> bool:
     return key_tiles == 1 and total is None
 
 
+def delta_lanes(d: int) -> int:
+    """Lanes per query row of the Delta kernel (mma_bwd_delta's kLanes): a 16-byte load of dO and O each per lane."""
+    return 8 if d <= 64 else 16 if d <= 128 else 32
+
+
 def backward_plan_around(
-    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, ctype: str, own_dq: bool = False
-) -> BackwardPlan:
-    """A main backward kernel (this family's or the wgmma family's) with the Delta and dQ-conversion
-    launches around it, one warp per query row (``own_dq``: the main kernel does their work)."""
+    cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, d: int, ctype: str,
+    own_dq: bool = False,
+) -> BackwardPlan:  # fmt: skip
+    """A main backward kernel (this family's or the wgmma family's) with the Delta launch (``delta_lanes(d)`` lanes
+    a row) and the dQ conversion (a warp a row) around it (``own_dq``: the main kernel does their work)."""
     rows = batch * hq * nq
     aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
     aux_block = (32 * ROWS_PER_AUX_BLOCK, 1, 1)
+    lanes = delta_lanes(d)
     return BackwardPlan(
         config=cfg,
-        delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}>", aux_grid, aux_block, 0),
+        delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}, {lanes}>", (cdiv(rows, 256 // lanes), 1, 1),
+                         aux_block, 0),
         main=main,
         convert=LaunchPlan(HELPER_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
         rows=rows,
         heads_on_x=heads_on_x,
         own_dq=own_dq,
+        delta_lanes=lanes,
     )
 
 
@@ -65,5 +75,6 @@ def with_rows(plan: BackwardPlan, rows: int) -> BackwardPlan:
     """The same plan with the per-row launches (Delta, dQ conversion) and scratch sized for ``rows`` query
     rows (varlen: Hq * total_q, the packed rows, instead of B * Hq * max_seqlen_q)."""
     aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
-    return replace(plan, delta=replace(plan.delta, grid=aux_grid), convert=replace(plan.convert, grid=aux_grid),
+    delta_grid = (cdiv(rows, 256 // plan.delta_lanes), 1, 1)
+    return replace(plan, delta=replace(plan.delta, grid=delta_grid), convert=replace(plan.convert, grid=aux_grid),
                    rows=rows)  # fmt: skip

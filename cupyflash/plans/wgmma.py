@@ -184,7 +184,7 @@ def plan_backward(
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
     main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
                       max_carveout=True)
-    return backward_plan_around(cfg, main, on_x, batch, hq, nq, ctype, own)
+    return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
