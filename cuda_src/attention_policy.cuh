@@ -222,8 +222,8 @@ __device__ __forceinline__ void prefetch_tile(const E* slice, int sq, int nq, in
 // has; BiasT is the bias's element type (float when there is none). The arrays are read through their
 // (b, h, q, k) strides, 0 along broadcast dims: element by element from global memory, or (kCols > 0, the
 // Hopper kernels, when the plan finds room) from a kRows x kCols tile that the kernel staged in shared memory
-// (score_tile.cuh: stage_score_tile, then use_score_tile). It lives in the score hook because the score is the hook that knows
-// (b, h); tiles are skipped only by the built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the
+// (score_tile.cuh: stage_score_tile, then use_score_tile). It lives in the score hook because the score is the
+// hook that knows (b, h); tiles are skipped only by the built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the
 // gradient of the score after the bias, before the softcap's derivative) through dbias's strides: a broadcast
 // bias adds it into an f32 accumulator (atomics: broadcast dims have stride 0 there, so each element sums over
 // them); a full-shape one (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its

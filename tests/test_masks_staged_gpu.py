@@ -68,8 +68,8 @@ def test_staged_score_tiles(name, shape, spec, how, dtype_name, d, rng):
         pytest.skip("float16 runs the first case only (the staging is the same code for both 16-bit types)")
     q, k, v, do, causal, kw = _inputs(rng, dtype_name, shape, spec, how, d)
     # Which kernels stage: the forward always (its array configuration has room), the backward where it fits.
-    p = check_attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
-                        **{a: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for a, x in kw.items()})  # fmt: skip
+    device_kw = {a: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for a, x in kw.items()}
+    p = check_attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, **device_kw)
     limits = DeviceLimits.current()
     b, hq, hk, nq, nk = shape
     fwd = plans.plan_forward(b, hq, nq, d, "T", limits, variant=p.variant).main
