@@ -239,3 +239,33 @@ def test_vjp_draws_a_seed_and_keeps_it(rng):
         assert np.array_equal(g.get(), w.get())
 
 
+
+
+@pytest.mark.parametrize("kernel, dtype, d", [("portable", "float32", 64), ("mma", "bfloat16", 64),
+                                              pytest.param("wgmma", "bfloat16", 64, marks=_needs_hopper),
+                                              pytest.param("wgmma", "bfloat16", 128, marks=_needs_hopper)])  # fmt: skip
+def test_dropout_with_mask_and_bias_arrays(kernel, dtype, d, rng):
+    """Dropout on top of mask/bias arrays (issue 17 with issue 16): the keep mask applies after the softmax of the
+    masked, biased scores, and dbias is the gradient of the score with the dropout in it. wgmma stages the arrays'
+    tiles in shared memory (the forward at both head dims and the D = 128 backward; the D = 64 backward has no room
+    for both arrays and reads them as before)."""
+    b, hq, hk, nq, nk = 2, 4, 2, 150, 192
+    dt = DTYPES[dtype]
+    q, k, v = random_qkv(rng, (b,), hq, hk, nq, nk, d, dt)
+    do = rng.standard_normal(q.shape).astype(dt)
+    kw = {"mask": rng.random((b, 1, 1, nk)) < 0.85, "bias": (rng.standard_normal((hq, nq, nk)) * 2.0).astype(dt)}
+    drop = dict(dropout_p=0.17, dropout_seed=int(rng.integers(0, 2**62)))
+    dev = {n: cupy.asarray(x) for n, x in kw.items()}
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    o, lse = cupyflash.attention_forward(qd, kd, vd, True, kernel=kernel, **dev, **drop)
+    grads = cupyflash.attention_backward(dod, qd, kd, vd, o, lse, True, kernel=kernel, bias_grad=True, **dev, **drop)
+    ro, rlse = reference.attention_forward(q, k, v, True, **kw, **drop)
+    rgrads = reference.attention_backward(do, q, k, v, o.get(), lse.get(), True, bias_grad=True, **kw, **drop)
+    assert rel_err(o.get(), ro) <= TOL_OUT[dtype]
+    finite = np.isfinite(rlse)
+    assert np.array_equal(np.isfinite(lse.get()), finite)
+    assert np.allclose(lse.get()[finite], rlse[finite], rtol=1e-4, atol=1e-4)
+    assert len(grads) == len(rgrads) == 4 and grads[3].shape == kw["bias"].shape
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, rgrads):
+        err = rel_err(g.get(), r)
+        assert err <= TOL_GRAD[dtype], f"{name}: {err:.2e}"
