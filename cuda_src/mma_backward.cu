@@ -67,11 +67,13 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
   for (int c = sub; c < p.d / 4; c += kLanes) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dQ = scale * accumulator, written in T with dq's strides; one warp per query row.
-template <typename T>
+// dQ = scale * accumulator, written in T with dq's strides; kLanes lanes per query row (256 / kLanes rows a block),
+// four floats (one 16-byte load) a lane: twice the bytes in flight of a warp a row with 8-byte loads.
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) mma_bwd_dq_convert(const __grid_constant__ AttentionParams p) {
-  const long long r = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32, "a power-of-two share of a warp");
+  const long long r = static_cast<long long>(blockIdx.x) * (256 / kLanes) + threadIdx.x / kLanes;
+  const int sub = threadIdx.x % kLanes;
   if (r >= p.rows) return;
   const int nq = row_extent(p);  // varlen: the packed (Hq, total_q) rows, as one batch
   const int i = static_cast<int>(r % nq);
@@ -80,8 +82,9 @@ __global__ void __launch_bounds__(256) mma_bwd_dq_convert(const __grid_constant_
   const long long b = bh / p.hq;
   T* out = static_cast<T*>(p.dq) + b * p.dq_s.b + h * p.dq_s.h + i * p.dq_s.n;
   const float* acc = p.dq_accum + r * p.d;
-  for (int c = lane * 2; c < p.d; c += 64) {
-    const float2 x = *reinterpret_cast<const float2*>(acc + c);
+  for (int c = sub * 4; c < p.d; c += kLanes * 4) {  // d % 8 == 0: whole float4s (the Delta kernel zeroed them so)
+    const float4 x = *reinterpret_cast<const float4*>(acc + c);
     store2<T>(out + c, x.x * p.scale, x.y * p.scale);
+    store2<T>(out + c + 2, x.z * p.scale, x.w * p.scale);
   }
 }

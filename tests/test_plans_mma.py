@@ -123,14 +123,16 @@ def test_plan_backward_geometry():
     assert causal.main.grid == (4, cdiv(777, cfg.bc), 1) and causal.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1)
     assert plan.rows == 2 * 8 * 1000
-    # Delta: 16 lanes a row at D = 128 (16 rows a block); the conversion a warp a row
+    # Delta: 16 lanes a row at D = 128 (16 rows a block); the conversion 32 (8 rows a block)
     assert plan.delta.grid == (cdiv(16000, 16), 1, 1) and plan.delta.block == (256, 1, 1)
     assert plan.convert.grid == (cdiv(16000, 8), 1, 1) and plan.convert.block == (256, 1, 1)
-    assert plan.delta.name == "mma_bwd_delta<__half, 16>" and plan.convert.name == "mma_bwd_dq_convert<__half>"
-    for d, lanes in ((32, 8), (64, 8), (96, 16), (128, 16), (192, 32), (256, 32)):
+    assert plan.delta.name == "mma_bwd_delta<__half, 16>" and plan.convert.name == "mma_bwd_dq_convert<__half, 32>"
+    for d, lanes, clanes in ((32, 8, 16), (64, 8, 16), (96, 16, 32), (128, 16, 32), (192, 32, 32), (256, 32, 32)):
         pd = plans.plan_backward(1, 2, 2, 100, 300, d, "__half", H100)
         assert pd.delta_lanes == lanes and pd.delta.name == f"mma_bwd_delta<__half, {lanes}>"
         assert pd.delta.grid == (cdiv(200, 256 // lanes), 1, 1) and lanes * 8 >= d
+        assert pd.convert_lanes == clanes and pd.convert.name == f"mma_bwd_dq_convert<__half, {clanes}>"
+        assert pd.convert.grid == (cdiv(200, 256 // clanes), 1, 1)
 
 
 def test_supports():
@@ -176,8 +178,9 @@ def test_instantiations_cover_every_config_once():
             assert cfg.name(ct, POL) in names
         for cfg in plans.BACKWARD_CONFIGS.values():
             assert cfg.name(ct, POL) in names
-        assert {f"mma_bwd_delta<{ct}, {n}>" for n in (8, 16, 32)} <= names and f"mma_bwd_dq_convert<{ct}>" in names
+        assert {f"mma_bwd_delta<{ct}, {n}>" for n in (8, 16, 32)} <= names
+        assert {f"mma_bwd_dq_convert<{ct}, {n}>" for n in (16, 32)} <= names
     from cupyflash.variants import BUILTIN
 
     mains = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS) + len(plans.BACKWARD_FALLBACKS)
-    assert len(inst) == 2 * (mains * len(BUILTIN) + 4)  # dtypes x (main kernels x policies + 3 Deltas, convert)
+    assert len(inst) == 2 * (mains * len(BUILTIN) + 5)  # dtypes x (main kernels x policies + 3 Deltas, 2 converts)

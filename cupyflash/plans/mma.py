@@ -269,5 +269,5 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]
         out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}, {lanes}>") for lanes in (8, 16, 32)]
-        out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}>")]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}, {lanes}>") for lanes in (16, 32)]
     return out

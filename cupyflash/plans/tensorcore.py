@@ -11,8 +11,8 @@ from . import LaunchPlan, cdiv
 #: The helper kernels live in the mma family's backward source (both families build it).
 HELPER_SOURCE = "mma_backward.cu"
 
-#: Rows handled per warp by the small backward helper kernels (Delta, dQ conversion).
-ROWS_PER_AUX_BLOCK = 8
+#: Threads a block of the per-row backward helpers (Delta, dQ conversion), which give each row kLanes lanes.
+AUX_THREADS = 256
 
 #: gridDim.y limit: B*H goes on y only up to this.
 MAX_GRID_Y = 65535
@@ -35,6 +35,7 @@ class BackwardPlan:
     heads_on_x: bool  # params.heads_fastest: how main.grid maps to (kv head, key tile)
     own_dq: bool = False  # main is the kOwnDQ kernel: Delta and dQ itself, delta and convert are not launched
     delta_lanes: int = 8  # the Delta kernel's lanes per row (delta_lanes)
+    convert_lanes: int = 16  # the dQ conversion's (convert_lanes)
 
 
 def owns_dq(key_tiles: int, total: int | None) -> bool:
@@ -48,6 +49,11 @@ def delta_lanes(d: int) -> int:
     return 8 if d <= 64 else 16 if d <= 128 else 32
 
 
+def convert_lanes(d: int) -> int:
+    """Lanes per query row of the dQ conversion (mma_bwd_dq_convert's kLanes): four f32 of the accumulator each."""
+    return 16 if d <= 64 else 32
+
+
 def backward_plan_around(
     cfg: Any, main: LaunchPlan, heads_on_x: bool, batch: int, hq: int, nq: int, d: int, ctype: str,
     own_dq: bool = False,
@@ -55,26 +61,29 @@ def backward_plan_around(
     """A main backward kernel (this family's or the wgmma family's) with the Delta launch (``delta_lanes(d)`` lanes
     a row) and the dQ conversion (a warp a row) around it (``own_dq``: the main kernel does their work)."""
     rows = batch * hq * nq
-    aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
-    aux_block = (32 * ROWS_PER_AUX_BLOCK, 1, 1)
-    lanes = delta_lanes(d)
+    block = (AUX_THREADS, 1, 1)
+    lanes, clanes = delta_lanes(d), convert_lanes(d)
     return BackwardPlan(
         config=cfg,
-        delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}, {lanes}>", (cdiv(rows, 256 // lanes), 1, 1),
-                         aux_block, 0),
+        delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}, {lanes}>", _aux_grid(rows, lanes), block, 0),
         main=main,
-        convert=LaunchPlan(HELPER_SOURCE, f"mma_bwd_dq_convert<{ctype}>", aux_grid, aux_block, 0),
+        convert=LaunchPlan(HELPER_SOURCE, f"mma_bwd_dq_convert<{ctype}, {clanes}>", _aux_grid(rows, clanes), block,
+                           0),
         rows=rows,
         heads_on_x=heads_on_x,
         own_dq=own_dq,
         delta_lanes=lanes,
+        convert_lanes=clanes,
     )
+
+
+def _aux_grid(rows: int, lanes: int) -> tuple[int, int, int]:
+    """The grid of a per-row kernel with ``lanes`` lanes a row and AUX_THREADS threads a block."""
+    return (cdiv(rows, AUX_THREADS // lanes), 1, 1)
 
 
 def with_rows(plan: BackwardPlan, rows: int) -> BackwardPlan:
     """The same plan with the per-row launches (Delta, dQ conversion) and scratch sized for ``rows`` query
     rows (varlen: Hq * total_q, the packed rows, instead of B * Hq * max_seqlen_q)."""
-    aux_grid = (cdiv(rows, ROWS_PER_AUX_BLOCK), 1, 1)
-    delta_grid = (cdiv(rows, 256 // plan.delta_lanes), 1, 1)
-    return replace(plan, delta=replace(plan.delta, grid=delta_grid), convert=replace(plan.convert, grid=aux_grid),
-                   rows=rows)  # fmt: skip
+    return replace(plan, delta=replace(plan.delta, grid=_aux_grid(rows, plan.delta_lanes)),
+                   convert=replace(plan.convert, grid=_aux_grid(rows, plan.convert_lanes)), rows=rows)  # fmt: skip
