@@ -33,6 +33,18 @@
 
 namespace cupyflash {
 
+// A compile-time flag that a policy type may declare (`static constexpr bool member`): Trait<P>::value is the flag,
+// false for a type that does not declare it (the built-in policies declare few). Kernels test it with if constexpr.
+#define CUPYFLASH_POLICY_FLAG(Trait, member)      \
+  template <class P, class = void>                \
+  struct Trait {                                  \
+    static constexpr bool value = false;          \
+  };                                              \
+  template <class P>                              \
+  struct Trait<P, decltype(void(P::member))> {    \
+    static constexpr bool value = P::member;      \
+  }
+
 // A half-open index range; empty when begin >= end.
 struct Range {
   int begin, end;
@@ -164,14 +176,7 @@ struct ModScore {
 };
 
 // Does a score type split its softcap out at compile time (ModScore's kCap forms)?
-template <class S, class = void>
-struct SplitsSoftcap {
-  static constexpr bool value = false;
-};
-template <class S>
-struct SplitsSoftcap<S, decltype(void(S::kSplitsSoftcap))> {
-  static constexpr bool value = S::kSplitsSoftcap;
-};
+CUPYFLASH_POLICY_FLAG(SplitsSoftcap, kSplitsSoftcap);
 
 // A cache hint for a kRows x kCols tile of a score-shaped array whose key axis is contiguous: rows q0.. and
 // elements k0.. (clipped to nq x nk; sq = 0: one row serves every query), from kThreads threads together (a warp,
@@ -223,11 +228,11 @@ __device__ __forceinline__ void prefetch_tile(const E* slice, int sq, int nq, in
 // (b, h, q, k) strides, 0 along broadcast dims: element by element from global memory, or (kCols > 0, the
 // Hopper kernels, when the plan finds room) from a kRows x kCols tile that the kernel staged in shared memory
 // (score_tile.cuh: stage_score_tile, then use_score_tile). It lives in the score hook because the score is the
-// hook that knows (b, h); tiles are skipped only by the built-in mask. With dbias, the backward takes dS = P (dP - Delta) (the
-// gradient of the score after the bias, before the softcap's derivative) through dbias's strides: a broadcast
-// bias adds it into an f32 accumulator (atomics: broadcast dims have stride 0 there, so each element sums over
-// them); a full-shape one (p.dbias_direct) stores it, in BiasT, straight into the output (each pair owns its
-// element: no atomics, no accumulator, no conversion pass).
+// hook that knows (b, h); tiles are skipped only by the built-in mask. With dbias, the backward takes
+// dS = P (dP - Delta) (the gradient of the score after the bias, before the softcap's derivative) through dbias's
+// strides: a broadcast bias adds it into an f32 accumulator (atomics: broadcast dims have stride 0 there, so each
+// element sums over them); a full-shape one (p.dbias_direct) stores it, in BiasT, straight into the output (each
+// pair owns its element: no atomics, no accumulator, no conversion pass).
 template <class Base, class BiasT, bool kMask, bool kBias, int kRows = 0, int kCols = 0>
 struct ArrayScore {
   static constexpr bool kIdentity = false;
@@ -369,14 +374,7 @@ struct ArrayScore {
 
 // Staged score arrays (the Hopper kernels: the plan names ArrayScore<..., kRows, kCols> when the tiles fit in
 // shared memory beside the kernel's own). score_tile_bytes: a staged tile's size (0: nothing to stage).
-template <class S, class = void>
-struct IsStaged {
-  static constexpr bool value = false;
-};
-template <class S>
-struct IsStaged<S, decltype(void(S::kStaged))> {
-  static constexpr bool value = S::kStaged;
-};
+CUPYFLASH_POLICY_FLAG(IsStaged, kStaged);
 template <class Score>
 __device__ constexpr int score_tile_bytes() {
   if constexpr (IsStaged<Score>::value) return Score::Tile::kBytes;
@@ -400,24 +398,10 @@ __device__ __forceinline__ void use_score_tile(Score& score, unsigned slot, int 
 }
 
 // Does a score type take the bias gradient hook (add_dbias)? Built-in scores do not.
-template <class S, class = void>
-struct HasBiasGrad {
-  static constexpr bool value = false;
-};
-template <class S>
-struct HasBiasGrad<S, decltype(void(S::kBiasGrad))> {
-  static constexpr bool value = S::kBiasGrad;
-};
+CUPYFLASH_POLICY_FLAG(HasBiasGrad, kBiasGrad);
 
 // Does a score type read arrays worth prefetching (prefetch<kL1>)? Built-in scores do not.
-template <class S, class = void>
-struct HasPrefetch {
-  static constexpr bool value = false;
-};
-template <class S>
-struct HasPrefetch<S, decltype(void(S::kPrefetch))> {
-  static constexpr bool value = S::kPrefetch;
-};
+CUPYFLASH_POLICY_FLAG(HasPrefetch, kPrefetch);
 
 // The kernels' call: a cache hint for the score arrays of (batch b, query head h), the kRows x kCols tile at
 // (q0, k0), from kThreads threads together (a warp, or a block's first kThreads); nothing for scores without
@@ -448,14 +432,7 @@ __device__ __forceinline__ void prefetch_next_step(const AttentionParams& p, int
 
 // Masks that depend on (b, h) (flex_policy.cuh's FlexMask, kPerHead) take the head's values in at_head, which
 // kernels call through mask_at_head next to the score's at_head; the built-in masks do not, and compile to nothing.
-template <class M, class = void>
-struct MaskPerHead {
-  static constexpr bool value = false;
-};
-template <class M>
-struct MaskPerHead<M, decltype(void(M::kPerHead))> {
-  static constexpr bool value = M::kPerHead;
-};
+CUPYFLASH_POLICY_FLAG(MaskPerHead, kPerHead);
 template <class Mask>
 __device__ __forceinline__ void mask_at_head(Mask& mask, const AttentionParams& p, int b, int h) {
   if constexpr (MaskPerHead<Mask>::value) mask.at_head(p, b, h);

@@ -6,6 +6,7 @@
 #pragma once
 #include "attention_params.cuh"
 #include "common.cuh"
+#include "mma_primitives.cuh"  // cp_async_16
 
 namespace cupyflash {
 
@@ -28,10 +29,6 @@ template <int kSize> struct Bits;
 template <> struct Bits<1> { using type = unsigned char; };
 template <> struct Bits<2> { using type = unsigned short; };
 template <> struct Bits<4> { using type = unsigned; };
-
-__device__ __forceinline__ void copy16(unsigned dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 template <int kSize>
 __device__ __forceinline__ void store(unsigned dst, unsigned x) {
@@ -66,7 +63,7 @@ __device__ __forceinline__ void stage_array_tile(unsigned dst, const void* slice
     const unsigned d = dst + r * kPitch + c * 16;
     const E* src = static_cast<const E*>(slice) + (n > 0 ? q * sq + k * sk : 0);
     if (n == 0 || (sk == 1 && (reinterpret_cast<unsigned long long>(src) & 15) == 0)) {
-      staging::copy16(d, src, n * kSize);
+      mma::cp_async_16(d, src, n * kSize);
     } else {
 #pragma unroll
       for (int e = 0; e < kPer; ++e) staging::store<kSize>(d + e * kSize, e < n ? src[e * sk] : 0u);

@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from . import _dtypes
 from .dropout import keep_scale as dropout_keep_scale
 from .dropout import threshold as dropout_threshold
 
 LOG2E = 1.4426950408889634
-#: Bytes of a bias element by its C++ type.
-_BIAS_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
+#: Bytes of a bias element by its C++ type (the inverse of _dtypes.CTYPE).
+_BIAS_BYTES = {ct: dt.itemsize for dt, ct in _dtypes.CTYPE.items()}
 
 
 @dataclass(frozen=True)

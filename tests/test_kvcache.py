@@ -422,7 +422,7 @@ needs_nvrtc = pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REAS
 
 @needs_nvrtc
 def test_decode_params_layout_matches_cpp():
-    from test_launch_abi import _ptx
+    from test_launch_abi import probe_values
 
     from cupyflash.kernels.decode import DECODE_PARAMS
 
@@ -433,18 +433,12 @@ def test_decode_params_layout_matches_cpp():
     exprs = ["sizeof(cupyflash::DecodeParams)"] + [
         f"__builtin_offsetof(cupyflash::DecodeParams, {n})" for n, _ in names
     ]
-    probe = ('#include "decode.cu"\nextern "C" __device__ unsigned long long cupyflash_layout[] = {\n  '
-             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
     try:
-        ptx = _ptx(probe, [], "compute_80")
+        raw = probe_values("decode.cu", exprs)
     except AssertionError as e:
         if "__builtin_offsetof" not in str(e):
             raise
         pytest.skip("this NVRTC has no __builtin_offsetof for the layout probe")
-    m = re.search(r"\.(b8|u64) cupyflash_layout\[\d+\] = \{([^}]*)\}", ptx)
-    raw = [int(x) for x in m.group(2).split(",")]
-    if m.group(1) == "b8":
-        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
     assert raw[0] == DECODE_PARAMS.itemsize
     assert raw[1:] == [off for _, off in names]
 
@@ -452,19 +446,13 @@ def test_decode_params_layout_matches_cpp():
 @needs_nvrtc
 def test_mma_shared_bytes_match_cpp():
     """The plan's shared-memory size of decode_split_mma is DecodeMmaSmem<...>::kBytes (through NVRTC)."""
-    from test_launch_abi import _ptx
+    from test_launch_abi import probe_values
 
     from cupyflash.kernels import decode
 
     configs = [(d, w, s) for d in (64, 128, 256) for w in decode.MMA_ROW_WARPS for s in decode.MMA_STAGES]
     exprs = [f"cupyflash::DecodeMmaSmem<__half, {d}, {w}, {s}>::kBytes" for d, w, s in configs]
-    probe = ('#include "decode.cu"\nextern "C" __device__ unsigned long long cupyflash_sizes[] = {\n  '
-             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
-    ptx = _ptx(probe, [], "compute_80")
-    m = re.search(r"\.(b8|u64) cupyflash_sizes\[\d+\] = \{([^}]*)\}", ptx)
-    raw = [int(x) for x in m.group(2).split(",")]
-    if m.group(1) == "b8":
-        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
+    raw = probe_values("decode.cu", exprs)
     assert raw == [decode.mma_smem_bytes(d, w, s) for d, w, s in configs]
 
 

@@ -64,15 +64,18 @@ def _layout_probe(offset_of) -> list[int]:
         inner_type = "cupyflash::Strides4" if outer in STRIDE4_FIELDS else "cupyflash::Strides"
         exprs.append(offset_of("cupyflash::AttentionParams", outer)
                      + (" + " + offset_of(inner_type, inner) if inner else ""))  # fmt: skip
-    probe = (
-        '#include "attention_params.cuh"\n'
-        "extern \"C\" __device__ unsigned long long cupyflash_layout[] = {\n  "
-        + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs)
-        + "\n};\n"
-    )
-    ptx = _ptx(probe, [], "compute_80")
-    m = re.search(r"\.(b8|u64) cupyflash_layout\[\d+\] = \{([^}]*)\}", ptx)
-    assert m, "the layout probe was not emitted"
+    return probe_values("attention_params.cuh", exprs)
+
+
+def probe_values(header: str, exprs: list[str], arch: str = "compute_80") -> list[int]:
+    """The values NVRTC computes for compile-time C++ expressions (after ``#include header``): emitted as a device
+    array's initializer and read back from the PTX, so CPU-only CI checks Python's layouts and sizes against the
+    C++ ones."""
+    probe = (f'#include "{header}"\nextern "C" __device__ unsigned long long cupyflash_probe[] = {{\n  '
+             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
+    ptx = _ptx(probe, [], arch)
+    m = re.search(r"\.(b8|u64) cupyflash_probe\[\d+\] = \{([^}]*)\}", ptx)
+    assert m, "the probe was not emitted"
     raw = [int(x) for x in m.group(2).split(",")]
     if m.group(1) == "b8":  # emitted as little-endian bytes
         raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]

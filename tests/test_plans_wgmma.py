@@ -185,17 +185,9 @@ from test_compile import NVRTC_REASON  # noqa: E402
 def test_score_tile_bytes_match_cpp():
     """Variant.score_tile_bytes is ScoreTile<...>::kBytes of the staged ArrayScore (through NVRTC), so the plans
     ask for the shared memory the kernels lay out."""
-    import re
-
-    from test_launch_abi import _ptx
+    from test_launch_abi import probe_values
 
     combos = [(v, r, c) for v in STAGED_CASES for r, c in ((128, 64), (64, 128), (128, 128))]
     exprs = [f"cupyflash::score_tile_bytes<cupyflash::{v._score_name((r, c))}>()" for v, r, c in combos]
-    probe = ('#include "attention_policy.cuh"\nextern "C" __device__ unsigned long long cupyflash_sizes[] = {\n  '
-             + ",\n  ".join(f"(unsigned long long)({e})" for e in exprs) + "\n};\n")  # fmt: skip
-    ptx = _ptx(probe, [], "compute_90a")
-    m = re.search(r"\.(b8|u64) cupyflash_sizes\[\d+\] = \{([^}]*)\}", ptx)
-    raw = [int(x) for x in m.group(2).split(",")]
-    if m.group(1) == "b8":
-        raw = [int.from_bytes(bytes(raw[i : i + 8]), "little") for i in range(0, len(raw), 8)]
+    raw = probe_values("attention_policy.cuh", exprs, "compute_90a")
     assert raw == [v.score_tile_bytes(r, c) for v, r, c in combos]

@@ -59,7 +59,7 @@ def backward_plan_around(
     own_dq: bool = False,
 ) -> BackwardPlan:  # fmt: skip
     """A main backward kernel (this family's or the wgmma family's) with the Delta launch (``delta_lanes(d)`` lanes
-    a row) and the dQ conversion (a warp a row) around it (``own_dq``: the main kernel does their work)."""
+    a row) and the dQ conversion (``convert_lanes(d)``) around it (``own_dq``: the main kernel does their work)."""
     rows = batch * hq * nq
     block = (AUX_THREADS, 1, 1)
     lanes, clanes = delta_lanes(d), convert_lanes(d)
