@@ -115,6 +115,9 @@ struct AttentionParams {
   // Deterministic backward (issue 16, turns v2): heads per group of the key-major kernels' grid order while
   // dq_turns is set (dq_turns.cuh, dq_grid_coord); 0 or 1 = tiles fastest.
   int dq_head_group;
+  // dbias summed over the batch (issue 17 speed): 1 puts the batches of one kv head next to each other in the
+  // backward's grid order, so the B adds into each dbias element meet in L2 (dq_turns.cuh, batch_inner_bh).
+  int batch_inner;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

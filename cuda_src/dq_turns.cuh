@@ -59,13 +59,28 @@ __device__ __forceinline__ TileCoord dq_grid_coord(const AttentionParams& p) {
   return {h0 + static_cast<int>(r % n), static_cast<int>(r / n), tiles};
 }
 
+// tile_coord, or with p.batch_inner (the plan's choice for a dense call whose dbias float32 accumulator every batch
+// adds into; only kernels whose score adds dbias compile the test) its head axis read batch fastest: the B blocks
+// that add into the same dbias elements then run side by side and their adds meet in L2, instead of each batch
+// sweeping the whole accumulator through DRAM. (Deterministic calls never sum dbias: the API refuses them.)
+template <class Policy>
+__device__ __forceinline__ TileCoord dbias_tile_coord(const AttentionParams& p) {
+  TileCoord c = tile_coord(p);
+  if constexpr (HasBiasGrad<typename Policy::Score>::value) {
+    if (p.batch_inner) c.bh = (c.bh % p.batch) * p.hk + c.bh / p.batch;
+  }
+  return c;
+}
+
 // key_tile_coord for the backward's key-major kernels; when the backward is deterministic, in dq_grid_coord's
 // order with the key-tile axis reversed (grid tile t works on key tile n_tiles - 1 - t, per sequence when
 // varlen), so the key tiles a block waits on (larger ones) have the smaller block indices. Varlen's "past"
 // tile (tile P of 2P + 1) maps to itself.
+template <class Policy>
 __device__ __forceinline__ TileCoord dq_key_tile_coord(const AttentionParams& p, int tile) {
   const bool turns = p.dq_turns != nullptr;  // one varlen mapping for both orders (code size at 255 registers)
-  TileCoord c = varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk, turns ? dq_grid_coord(p) : tile_coord(p));
+  TileCoord c = varlen_tile_coord(p, tile, p.cu_seqlens_k, p.total_k, p.nk,
+                                  turns ? dq_grid_coord(p) : dbias_tile_coord<Policy>(p));
   if (turns) c.tile = c.n_tiles - 1 - c.tile;
   return c;
 }

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
 
-  const TileCoord tc = dq_key_tile_coord(p, Bc);  // (batch * kv heads, key tile; reversed when deterministic)
+  const TileCoord tc = dq_key_tile_coord<Policy>(p, Bc);  // (batch * kv heads, key tile): dq_turns.cuh
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;

@@ -112,7 +112,7 @@ portable_bwd_kv(const __grid_constant__ AttentionParams p) {
     float* lse2s = dSts + BC * LDS;
     float* deltas = lse2s + BR;
 
-    const TileCoord tc = dq_key_tile_coord(p, BC);  // (batch * kv heads, key tile; reversed when deterministic)
+    const TileCoord tc = dq_key_tile_coord<Policy>(p, BC);  // (batch * kv heads, key tile): dq_turns.cuh
     const int tid = threadIdx.x, lane = tid % LANES, g = tid / LANES;
     const int c0 = tc.tile * BC, b = tc.bh / p.hk, hk = tc.bh % p.hk;
     // Sequence b's rows and lengths (varlen; dense: the whole problem). They are re-read where needed

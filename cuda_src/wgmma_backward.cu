@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   T* const sdO = reinterpret_cast<T*>(at(sdO_u));
   float* const sStat = reinterpret_cast<float*>(at(sStat_u));
 
-  const TileCoord tc = dq_key_tile_coord(p, Bc);  // (batch * kv heads, key tile; reversed when deterministic)
+  const TileCoord tc = dq_key_tile_coord<Policy>(p, Bc);  // (batch * kv heads, key tile): dq_turns.cuh
   const int b = tc.bh / p.hk;
   const int hkv = tc.bh % p.hk;
   const int j0 = tc.tile * Bc;

@@ -80,6 +80,34 @@ def test_params_flag_of_a_broadcast_bias():
     assert rec["dbias_direct"] == 0 and tuple(rec["dbias_s"]) == (0, NK, 0, 1)
 
 
+@pytest.mark.parametrize(
+    "shape,inner",
+    [
+        (FULL, False),  # stored: no sum
+        ((HQ, NQ, NK), True),  # summed over the batch: its B adds meet in L2 with the batches side by side
+        ((B, 1, NQ, NK), False),  # summed over heads only: one block adds a kv head's group already
+        ((HQ, 1, NK), True),
+    ],
+)
+def test_batch_inner_grid_order_iff_dbias_sums_over_the_batch(shape, inner):
+    p, g = _problem_and_geometry(shape, 2 if shape == FULL else 4)
+    rec = np.frombuffer(base_params(p, g, False).to_bytes(), PARAMS)[0]
+    assert rec["batch_inner"] == int(inner)
+    assert rec["batch"] == B and rec["hk"] == HK  # what the kernels' remap (dq_turns.cuh) divides by
+
+
+def test_no_batch_inner_order_without_dbias():
+    q = np.zeros((B, HQ, NQ, D), np.float16)
+    k = np.zeros((B, HK, NK, D), np.float16)
+    p = check_attention(q, k, k)
+
+    def entry(x):
+        return (x.shape, x.strides, x.itemsize, 0)
+
+    g = _geometry(p, {"q": entry(q), "k": entry(k), "v": entry(k)})
+    assert np.frombuffer(base_params(p, g, False).to_bytes(), PARAMS)[0]["batch_inner"] == 0
+
+
 def test_callers_dbias_buffer_must_match_the_mode():
     bias = np.zeros(FULL, np.float16)
     _check_dbias_buffer(np.zeros(FULL, np.float16), bias, True)

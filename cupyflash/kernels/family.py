@@ -113,6 +113,7 @@ def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: 
             fields[f"{name}_s"] = (*g.strides[name], g.inner[name])
     if "dbias" in g.strides:
         fields["dbias_direct"] = int(g.dbias_direct)
+        fields["batch_inner"] = int(batch_inner(p, g))
     if "alibi" in g.strides:
         fields["alibi_sb"] = g.strides["alibi"][0]
     fields.update(p.variant.params(p.scale, p.nq, p.nk))
@@ -133,6 +134,13 @@ def base_params(p: AttentionProblem, g: Geometry, heads_fastest: bool, **extra: 
         heads_fastest=int(heads_fastest),
         **extra,
     )
+
+
+def batch_inner(p: AttentionProblem, g: Geometry) -> bool:
+    """Does the backward's grid run one kv head's batches side by side (params.batch_inner)? When dbias is a
+    float32 accumulator that every batch adds into (the bias broadcasts over a dense batch): the B adds into an
+    element then meet in L2, instead of each batch sweeping the whole accumulator through DRAM."""
+    return not g.dbias_direct and g.strides["dbias"][0] == 0 and g.batch > 1 and not p.varlen
 
 
 def scratch_rows(p: AttentionProblem, g: Geometry) -> int:

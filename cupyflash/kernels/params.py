@@ -78,6 +78,8 @@ PARAMS = np.dtype(
         ("dbias_direct", "<i4"),
         # deterministic backward (issue 16, turns v2): heads per group of the key-major grid order
         ("dq_head_group", "<i4"),
+        # dbias summed over the batch (issue 17 speed): the backward's grid runs one kv head's batches together
+        ("batch_inner", "<i4"),
     ],
     align=True,
 )
