@@ -99,7 +99,8 @@ def test_forward_kv_buffers():
     # Two cp.async K/V buffers (issue 12): float32 on sm_80+ where min_blocks blocks still share an SM.
     f32 = pp.Shape(4, 12, 12, 256, 256, 64, _dtypes.FLOAT32)
     plan = pp.forward_plan(f32, H100)
-    assert plan.tile.kv_bufs == 2 and plan.launch.max_carveout and "<float, 64, 64, 64, 8, 16, 3, 2," in plan.launch.name
+    assert plan.tile.kv_bufs == 2 and plan.launch.max_carveout
+    assert "<float, 64, 64, 64, 8, 16, 3, 2," in plan.launch.name
     assert pp.blocks_by_smem(plan.launch.shared_bytes, H100) == 3
     assert pp.forward_plan(f32, A100).tile.kv_bufs == 1  # 68 KB a block: 2 on its 164 KB, not 3
     assert pp.forward_plan(f32, RTX4090).tile.kv_bufs == 1
