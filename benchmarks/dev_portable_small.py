@@ -2,7 +2,7 @@
 backward with each forward / dK-dV tile forced (one process per configuration, so each compiles only its kernels).
 
     python benchmarks/dev_portable_small.py            # every configuration, a line each
-    python benchmarks/dev_portable_small.py one FWD KV [B N]  # FWD = rows,cols,tm[,min_blocks], KV = rows,cols,tm
+    python benchmarks/dev_portable_small.py one FWD KV [B N]  # FWD = rows,cols,tm[,min_blocks[,kv_bufs]], KV = rows,cols,tm
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def tile(spec: str):
     from cupyflash.plans.portable import Tile
 
     v = [int(x) for x in spec.split(",")]
-    return Tile(v[0], v[1], v[2], min_blocks=v[3] if len(v) > 3 else 1)
+    return Tile(v[0], v[1], v[2], min_blocks=v[3] if len(v) > 3 else 1, kv_bufs=v[4] if len(v) > 4 else 1)
 
 
 def one(fwd: str, kv: str, b: int = 4, n: int = 256) -> None:

@@ -7,23 +7,28 @@
 //
 // Template parameters: element type T, padded head dim DP (a multiple of 32), query rows BR
 // and key columns BC per tile, TM query rows per thread, LANES threads per row group
-// (see portable_tile.cuh for who owns what), and MIN_BLOCKS: blocks per SM that the register
+// (see portable_tile.cuh for who owns what), MIN_BLOCKS: blocks per SM that the register
 // allocation must allow (ptxas otherwise trades occupancy away, or spills a few bytes to reach
-// a register target of its own), then the variant Policy (mask and score). Threads = BR / TM * LANES.
+// a register target of its own), KV_BUFS (1 or 2, below), then the variant Policy (mask and score).
+// Threads = BR / TM * LANES.
 //
 // Variants: a non-identity score policy maps each raw q . k to its final log2-unit score (softcap,
 // ALiBi) with the accurate tanhf/log2f, since float32 results are held to 1e-5 of a float64 reference;
 // an attention sink starts each row's softmax at the sink's logit with sum 1.
 //
 // Measured on an H200 (fp32, D=128): prefetching K_j+1 / V_j into registers during the
-// products was slower (29 vs 34 TFLOP/s; the extra registers cost a block per SM), so the
-// loads go straight to shared memory and other resident blocks hide their latency.
+// products was slower (29 vs 34 TFLOP/s; the extra registers cost a block per SM). So with
+// KV_BUFS = 1 the loads go straight to shared memory and other resident blocks hide their
+// latency; that leaves a block alone on its SM (small grids, issue 12) waiting two global round
+// trips a tile. KV_BUFS = 2 gives K_j and V_j a buffer each and copies with cp.async, which holds
+// no registers: V_j flies during S = Q K_j^T and the softmax, K_j+1 during O += P V_j (the
+// plan picks it for float32 on sm_80+ where the extra buffer keeps min_blocks per SM).
 #include "portable_tile.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::portable;
 
-template <typename T, int DP, int BR, int BC, int TM, int LANES, int MIN_BLOCKS, class Policy>
+template <typename T, int DP, int BR, int BC, int TM, int LANES, int MIN_BLOCKS, int KV_BUFS, class Policy>
 __global__ void __launch_bounds__(BR / TM * LANES, MIN_BLOCKS)
 portable_fwd(const __grid_constant__ AttentionParams p) {
     constexpr int THREADS = BR / TM * LANES;
@@ -34,13 +39,16 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     constexpr int LDP = ld_of(BC);  // P rows
     static_assert(BR % TM == 0 && BC % LANES == 0 && DP % LANES == 0 && BC % 4 == 0, "tile shape");
     static_assert(THREADS % 32 == 0 && LANES <= 32, "row groups must tile whole warps");
+    static_assert(KV_BUFS == 1 || KV_BUFS == 2, "K_j and V_j share a buffer or have one each");
+    constexpr bool kPipe = KV_BUFS == 2;
 
-    // K_j and V_j share one buffer: S is finished before V_j is needed, and the smaller
-    // footprint keeps two or more blocks per SM (the SIMT pipes need the warps).
+    // KV_BUFS = 1: K_j and V_j share one buffer (S is finished before V_j is needed), and the
+    // smaller footprint keeps two or more blocks per SM (the SIMT pipes need the warps).
     extern __shared__ float4 smem_f4[];
     float* Qs = reinterpret_cast<float*>(smem_f4);
-    float* KVs = Qs + BR * LDD;
-    float* Ps = KVs + BC * LDD;
+    float* Ks = Qs + BR * LDD;
+    float* Vs = Ks + (KV_BUFS - 1) * BC * LDD;
+    float* Ps = Vs + BC * LDD;
 
     const TileCoord tc = query_tile_coord(p, BR);  // (batch * query heads, query tile)
     const int lane = threadIdx.x % LANES, g = threadIdx.x / LANES;
@@ -54,8 +62,8 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
     const T* kb = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
     const T* vb = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
     const long long qrow = (long long)seq.q_row0 + r0;
-    load_tile<T, BR, DP, THREADS>(Qs, static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + qrow * p.q_s.n, p.q_s.n,
-                                  nq - r0, d, v16);
+    const T* qb = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + qrow * p.q_s.n;
+    if constexpr (!kPipe) load_tile<T, BR, DP, THREADS>(Qs, qb, p.q_s.n, nq - r0, d, v16);
 
     float acc[TM][DT];
     zero(acc);
@@ -69,12 +77,19 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
 
     // Only the key tiles that some row of Q_i may see (under causal, none wholly above the diagonal).
     const Range kt = tiles_covering(Policy(p, seq).mask.keys_of(r0, r0 + BR), BC);
+    if constexpr (kPipe) {  // Q_i and the first K_j in flight together: the first cp.async group
+        load_tile_async<T, BR, DP, THREADS>(Qs, qb, p.q_s.n, nq - r0, d, v16);
+        if (kt.begin < kt.end)
+            load_tile_async<T, BC, DP, THREADS>(Ks, kb + kt.begin * BC * p.k_s.n, p.k_s.n, seq.nk - kt.begin * BC, d,
+                                                v16);
+        async_commit();
+    }
 
     prefetch_score_arrays<true, typename Policy::Score, BR, BC, THREADS>(p, b, h, r0, kt.begin * BC);
 #pragma unroll 1
     for (int j = kt.begin; j < kt.end; ++j) {
         const int c0 = j * BC;
-        __syncthreads();  // previous P V done with KVs and Ps
+        __syncthreads();  // previous P V done with Vs (and Ks, when they share) and Ps
         {  // Mask/bias arrays: the block's rows of the next key tile into L1, a whole step ahead (this tile's
            // came with the previous step, the first before the loop).
             using S = typename Policy::Score;
@@ -92,12 +107,20 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
                     Ps[(g * TM + i) * LDP + lane + t * LANES] =
                         dpol.dropout.factor(r0 + g * TM + i, c0 + lane + t * LANES);
         }
-        load_tile<T, BC, DP, THREADS>(KVs, kb + c0 * p.k_s.n, p.k_s.n, seq_geometry(p, b).nk - c0, d, v16);
+        if constexpr (kPipe) {
+            // V_j into its own buffer (free since the barrier above), landing while S and the softmax run;
+            // then wait for K_j (the group before: with Q_i for the first tile, else issued before P V_j-1).
+            load_tile_async<T, BC, DP, THREADS>(Vs, vb + c0 * p.v_s.n, p.v_s.n, seq_geometry(p, b).nk - c0, d, v16);
+            async_commit();
+            async_wait<1>();
+        } else {
+            load_tile<T, BC, DP, THREADS>(Ks, kb + c0 * p.k_s.n, p.k_s.n, seq_geometry(p, b).nk - c0, d, v16);
+        }
         __syncthreads();
 
         float s[TM][TN];
         zero(s);
-        mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Qs + g * TM * LDD, KVs + lane * LDD);
+        mma_abT<TM, TN, DP, LDD, LDD, LANES>(s, Qs + g * TM * LDD, Ks + lane * LDD);
 
         // The policy is built here, per tile, from the sequence's lengths re-read (varlen; dense: from the
         // constant bank as before), so that they are not held in registers through the products (the D=64
@@ -150,10 +173,21 @@ portable_fwd(const __grid_constant__ AttentionParams p) {
             for (int c = 0; c < DT; ++c) acc[i][c] *= alpha;
         }
         __syncthreads();  // all of S done with K_j; P complete
-        load_tile<T, BC, DP, THREADS>(KVs, vb + c0 * p.v_s.n, p.v_s.n, seq_geometry(p, b).nk - c0, d, v16);
+        if constexpr (kPipe) {
+            // K_j+1 into K_j's buffer, landing while P V_j runs; an empty group after the last tile keeps the
+            // count of groups in flight the same every step. Then wait for V_j.
+            if (j + 1 < kt.end)
+                load_tile_async<T, BC, DP, THREADS>(Ks, kb + (c0 + BC) * p.k_s.n, p.k_s.n,
+                                                    seq_geometry(p, b).nk - c0 - BC, d, v16);
+            async_commit();
+            async_wait<1>();
+        } else {
+            load_tile<T, BC, DP, THREADS>(Vs, vb + c0 * p.v_s.n, p.v_s.n, seq_geometry(p, b).nk - c0, d, v16);
+        }
         __syncthreads();
-        mma_ab<TM, DT, LANES, BC, LDP, LDD>(acc, Ps + g * TM * LDP, KVs + lane * VEC);
+        mma_ab<TM, DT, LANES, BC, LDP, LDD>(acc, Ps + g * TM * LDP, Vs + lane * VEC);
     }
+    if constexpr (kPipe) async_wait<0>();  // no copy outlives the block (Q_i's, when no key tile was visited)
 
     // Epilogue: O_i = acc / l, lse = ln(2^m * l). A row with no visible key and no sink gets 0 and -inf.
     const SeqGeometry rows = seq_geometry(p, b);  // re-read, as in the loop

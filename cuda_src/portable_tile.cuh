@@ -19,6 +19,7 @@
 #pragma once
 #include "attention_policy.cuh"
 #include "common.cuh"
+#include "mma_primitives.cuh"  // cp.async
 
 namespace cupyflash {
 namespace portable {
@@ -153,6 +154,68 @@ __device__ __forceinline__ void load_tile(float* __restrict__ s, const T* __rest
     } else {
         load_tile_scalar<T, ROWS, DP, THREADS>(s, g, sn, nrows, d);
     }
+}
+
+// ------------------------------------------------------------------ pipelined tile copies
+//
+// load_tile's copy without the wait, so a kernel can keep a tile's loads in flight while it computes on
+// another buffer: float32 tiles by cp.async (sm_80+; 16 bytes where `vec`, else 4 bytes an element, which
+// needs only float's own alignment), zero-filled past nrows and d by a source size of 0. Other element types
+// (16-bit rows may be 2-byte aligned; the conversion needs registers) and older GPUs copy synchronously
+// here, which stays correct. A tile is usable after async_wait<N>() and a barrier.
+template <typename T, int ROWS, int DP, int THREADS>
+__device__ __forceinline__ void load_tile_async(float* __restrict__ s, const T* __restrict__ g, long long sn,
+                                                int nrows, int d, bool vec) {
+#if __CUDA_ARCH__ >= 800
+    if constexpr (mma::is_same_v<T, float>) {
+        constexpr int LD = ld_of(DP);
+        // Opaque: the per-thread offsets are recomputed per call, not hoisted out of the caller's loop and held
+        // live through its products (the D=64 tile sits at its 168-register cap).
+        const int tid = mma::opaque(threadIdx.x);
+        if (vec) {
+            constexpr int VPR = DP / 4, TOTAL = ROWS * VPR;
+            static_assert(THREADS % VPR == 0, "a thread keeps its column: one address, stepped by rows");
+            constexpr int RSTEP = THREADS / VPR;
+            const int r = tid / VPR, c = tid % VPR * 4;
+            const T* src = g + r * sn + c;
+            const unsigned dst = mma::smem_u32(s + r * LD + c);
+            const bool cin = c < d;  // vec: d % 4 == 0, a chunk is all in or all out
+#pragma unroll
+            for (int it = 0; it < cdiv(TOTAL, THREADS); ++it) {
+                if (TOTAL % THREADS == 0 || it * THREADS + tid < TOTAL) {
+                    const bool in = cin && r + it * RSTEP < nrows;
+                    mma::cp_async_16(dst + it * RSTEP * LD * 4, in ? src + it * RSTEP * sn : g, in ? 16 : 0);
+                }
+            }
+        } else {
+            constexpr int TOTAL = ROWS * DP;
+#pragma unroll 4
+            for (int it = 0; it < cdiv(TOTAL, THREADS); ++it) {
+                const int idx = it * THREADS + tid;
+                if (TOTAL % THREADS == 0 || idx < TOTAL) {
+                    const int r = idx / DP, c = idx % DP;
+                    const bool in = r < nrows && c < d;
+                    mma::cp_async_4(mma::smem_u32(s + r * LD + c), in ? g + r * sn + c : g, in ? 4 : 0);
+                }
+            }
+        }
+        return;
+    }
+#endif
+    load_tile<T, ROWS, DP, THREADS>(s, g, sn, nrows, d, vec);
+}
+
+// cp.async group bookkeeping for load_tile_async (no-ops where it copies synchronously).
+__device__ __forceinline__ void async_commit() {
+#if __CUDA_ARCH__ >= 800
+    mma::cp_async_commit();
+#endif
+}
+template <int N>
+__device__ __forceinline__ void async_wait() {
+#if __CUDA_ARCH__ >= 800
+    mma::cp_async_wait<N>();
+#endif
 }
 
 // Store N floats (times `mul`) as T at g; N-element vector store when `vec`.

@@ -95,6 +95,24 @@ def test_fast_tiles_on_big_parts():
         assert pp.forward_smem(dp, pp.FORWARD_TILES[dp][0]) <= A100.max_shared_per_block
 
 
+def test_forward_kv_buffers():
+    # Two cp.async K/V buffers (issue 12): float32 on sm_80+ where min_blocks blocks still share an SM.
+    f32 = pp.Shape(4, 12, 12, 256, 256, 64, _dtypes.FLOAT32)
+    plan = pp.forward_plan(f32, H100)
+    assert plan.tile.kv_bufs == 2 and plan.launch.max_carveout
+    assert "<float, 64, 64, 64, 8, 16, 3, 2," in plan.launch.name
+    assert pp.blocks_by_smem(plan.launch.shared_bytes, H100) == 3
+    assert pp.forward_plan(f32, A100).tile.kv_bufs == 1  # 68 KB a block: 2 on its 164 KB, not 3
+    assert pp.forward_plan(f32, RTX4090).tile.kv_bufs == 1
+    assert pp.forward_plan(f32, T4).tile.kv_bufs == 1  # no cp.async before sm_80
+    assert pp.forward_plan(pp.Shape(1, 1, 1, 9, 9, 32, _dtypes.FLOAT32), RTX4090).tile.kv_bufs == 2
+    for dtype in (_dtypes.FLOAT16, _dtypes.BFLOAT16):  # 16-bit inputs are converted on the way in
+        assert pp.forward_plan(pp.Shape(1, 1, 1, 9, 9, 64, dtype), H100).tile.kv_bufs == 1
+    for dp in (128, 256):  # a second buffer would cost these a resident block
+        assert pp.forward_plan(pp.Shape(1, 1, 1, 9, 9, dp, _dtypes.FLOAT32), H100).tile.kv_bufs == 1
+    assert not any(", 2, cupyflash::" in n and "<float," not in n for _, n in NAMES if "portable_fwd<" in n)
+
+
 def test_every_d_pad_fits_64kb_parts():
     small = DeviceLimits(compute_capability=60, sm_count=20, max_shared_per_block=64 * 1024)
     for dp, dtype in itertools.product(pp.D_PADS, _dtypes.SUPPORTED):

@@ -13,6 +13,11 @@ Tile choices (all arithmetic is float32 in shared memory, whatever the input dty
 - Each table lists configurations fastest first; a plan takes the first whose shared
   memory fits the device (the later entries exist for 64 KB parts such as the T4 and the
   ~100 KB consumer parts). Every configuration compiles without spills (tests check it).
+- ``kv_bufs = 2`` (forward): K_j and V_j get a shared buffer each and arrive by cp.async while
+  the products run (``cuda_src/portable_forward.cu``), which hides the two global round trips a
+  key tile costs a block that is alone on its SM (small grids, issue 12). Float32 only (cp.async
+  cannot convert 16-bit inputs), sm_80+, and only where the extra buffer still lets ``min_blocks``
+  blocks share an SM; elsewhere the next entry, the same tile with one buffer, runs.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class Tile:
     tm: int
     lanes: int = 16
     min_blocks: int = 1  # forward only: blocks per SM the register allocation must allow
+    kv_bufs: int = 1  # forward only: 2 = K_j and V_j in buffers of their own, copied by cp.async (float32, sm_80+)
 
     @property
     def threads(self) -> int:
@@ -52,8 +58,8 @@ class Tile:
 
 # Forward: rows = query rows Br, cols = key columns Bc.
 FORWARD_TILES: dict[int, tuple[Tile, ...]] = {
-    32: (Tile(64, 64, 4, min_blocks=2),),
-    64: (Tile(64, 64, 8, min_blocks=3),),
+    32: (Tile(64, 64, 4, min_blocks=2, kv_bufs=2), Tile(64, 64, 4, min_blocks=2)),
+    64: (Tile(64, 64, 8, min_blocks=3, kv_bufs=2), Tile(64, 64, 8, min_blocks=3)),  # 2 buffers: 3 blocks on H100
     128: (Tile(64, 64, 8), Tile(64, 32, 8)),
     256: (Tile(64, 32, 4), Tile(32, 16, 4)),
 }
@@ -85,7 +91,7 @@ def _ld(width: int) -> int:
 
 
 def forward_smem(dp: int, t: Tile) -> int:
-    return 4 * ((t.rows + t.cols) * _ld(dp) + t.rows * _ld(t.cols))  # Q_i, K_j/V_j, P
+    return 4 * ((t.rows + t.kv_bufs * t.cols) * _ld(dp) + t.rows * _ld(t.cols))  # Q_i, K_j/V_j (or K_j, V_j), P
 
 
 def kv_smem(dp: int, t: Tile) -> int:
@@ -106,12 +112,32 @@ def _pick(table: dict[int, tuple[Tile, ...]], smem, dp: int, limits: DeviceLimit
     raise ValueError(f"no portable tile for D_pad={dp} fits {limits.max_shared_per_block} B of shared memory")
 
 
+def blocks_by_smem(nbytes: int, limits: DeviceLimits) -> int:
+    """Blocks of ``nbytes`` dynamic shared memory an SM holds: the per-block opt-in maximum plus 1 KB, and 1 KB
+    reserved per block (sm_80+: 228 / 227 KB on an H100, 164 / 163 on an A100, 100 / 99 on sm_86/89)."""
+    return (limits.max_shared_per_block + 1024) // (nbytes + 1024)
+
+
+def pipelines(t: Tile, dtype, nbytes: int, limits: DeviceLimits) -> bool:
+    """May the forward use tile ``t`` with its two cp.async K/V buffers here (see the module docstring)?"""
+    return (np.dtype(dtype) == _dtypes.FLOAT32 and limits.compute_capability >= 80
+            and blocks_by_smem(nbytes, limits) >= t.min_blocks)  # fmt: skip
+
+
+def _forward_tile(s: "Shape", dp: int, limits: DeviceLimits) -> tuple[Tile, int]:
+    for t in FORWARD_TILES[dp]:
+        nbytes = forward_smem(dp, t)
+        if nbytes <= limits.max_shared_per_block and (t.kv_bufs == 1 or pipelines(t, s.dtype, nbytes, limits)):
+            return t, nbytes
+    raise ValueError(f"no portable tile for D_pad={dp} fits {limits.max_shared_per_block} B of shared memory")
+
+
 def ctype(dtype) -> str:
     return _dtypes.CTYPE[np.dtype(dtype)]
 
 
 def fwd_name(ct: str, dp: int, t: Tile, policy: str) -> str:
-    return f"portable_fwd<{ct}, {dp}, {t.targs()}, {t.min_blocks}, {policy}>"
+    return f"portable_fwd<{ct}, {dp}, {t.targs()}, {t.min_blocks}, {t.kv_bufs}, {policy}>"
 
 
 def kv_name(ct: str, dp: int, t: Tile, policy: str) -> str:
@@ -189,11 +215,12 @@ class PortableForwardPlan:
 
 def forward_plan(s: Shape, limits: DeviceLimits) -> PortableForwardPlan:
     dp = padded_d(s.d)
-    t, smem = _pick(FORWARD_TILES, forward_smem, dp, limits)
+    t, smem = _forward_tile(s, dp, limits)
     heads, tiles = s.query_axes(t.rows)
     grid = _grid(tiles, heads)  # one block per (Q_i tile, batch and query head)
     name = fwd_name(ctype(s.dtype), dp, t, s.variant.cpp_policy)
-    lp = LaunchPlan(FORWARD_SOURCE, name, grid, (t.threads, 1, 1), smem)
+    # Two K/V buffers count on min_blocks blocks' shared memory per SM: ask for the largest carveout.
+    lp = LaunchPlan(FORWARD_SOURCE, name, grid, (t.threads, 1, 1), smem, max_carveout=t.kv_bufs > 1)
     return PortableForwardPlan(s, dp, t, lp)
 
 
@@ -252,7 +279,8 @@ def instantiations(variants: tuple[Variant, ...] = BUILTIN) -> list[tuple[str, s
         ct = ctype(dtype)
         for pol in (v.cpp_policy for v in variants):
             for dp in D_PADS:
-                out += [(FORWARD_SOURCE, fwd_name(ct, dp, t, pol)) for t in FORWARD_TILES[dp]]
+                out += [(FORWARD_SOURCE, fwd_name(ct, dp, t, pol)) for t in FORWARD_TILES[dp]
+                        if t.kv_bufs == 1 or np.dtype(dtype) == _dtypes.FLOAT32]  # fmt: skip
                 out += [(BACKWARD_SOURCE, kv_name(ct, dp, t, pol)) for t in KV_TILES[dp]]
                 out += [(BACKWARD_SOURCE, dq_name(ct, dp, t, pol)) for t in DQ_TILES[dp]]
         out += [(BACKWARD_SOURCE, delta_name(ct)), (BACKWARD_SOURCE, convert_name(ct))]
