@@ -98,6 +98,23 @@ def main() -> int:
             cupyflash.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=hostile, block_table=bad_table,
                                              causal=True, num_splits=2)
             print(f"kvcache {str(dtype):8s} page={page} hostile lengths/table: ran")
+    # A bias broadcast over a batch of 3 with its gradient: the backward's grid reads batches fastest
+    # (params.batch_inner) in every family. And float32 rows of 62 elements: the portable forward's 4-byte
+    # cp.async path (its pipelined K/V tiles; 16-byte copies need rows of a multiple of 4 floats).
+    for kernel in families:
+        dtype = _dtypes.BFLOAT16 if kernel != "portable" else np.float32
+        for d in (64, 62) if kernel == "portable" else (64,):
+            q = cupy.asarray(rng.standard_normal((3, 4, 70, d)).astype(dtype))
+            k = cupy.asarray(rng.standard_normal((3, 2, 90, d)).astype(dtype))
+            v = cupy.asarray(rng.standard_normal((3, 2, 90, d)).astype(dtype))
+            do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
+            bias = cupy.asarray(rng.standard_normal((4, 70, 90)).astype(dtype))
+            o, lse = cupyflash.attention_forward(q, k, v, causal=True, bias=bias, kernel=kernel)
+            grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=True, bias=bias, bias_grad=True,
+                                                 kernel=kernel)  # fmt: skip
+            ok = _finite(o, *grads)
+            print(f"batch-broadcast bias + dbias {kernel:8s} D={d}: {'ok' if ok else 'NON-FINITE'}")
+            bad += not ok
     cupy.cuda.Device().synchronize()
     return 1 if bad else 0
 
