@@ -38,7 +38,8 @@ SHAPES = [("tiny", 4, 12, 256, 64), ("tiny B=1", 1, 12, 256, 64), ("large", 4, 1
 # Forward tiles per D_pad: (label, tiles); the first is the plan's.
 FWD_VARIANTS = {
     64: [("2 bufs (plan)", None), ("1 buf (before)", (pp.Tile(64, 64, 8, min_blocks=3),))],
-    128: [("1 buf (plan)", None), ("2 bufs, 1 block/SM (not planned)", (pp.Tile(64, 64, 8, kv_bufs=2),))],
+    128: [("64x32, 2 bufs (plan)", None), ("64x64, 1 buf (before)", (pp.Tile(64, 64, 8),)),
+          ("64x64, 2 bufs, 1 block/SM", (pp.Tile(64, 64, 8, kv_bufs=2),))],
 }
 # Accuracy only: (B, Hq, Hk, Nq, Nk, D, causal)
 ODD = [(2, 3, 3, 1000, 777, 62, True), (1, 4, 2, 17, 17, 64, True), (2, 2, 1, 300, 520, 64, False),

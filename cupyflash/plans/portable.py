@@ -60,7 +60,9 @@ class Tile:
 FORWARD_TILES: dict[int, tuple[Tile, ...]] = {
     32: (Tile(64, 64, 4, min_blocks=2, kv_bufs=2), Tile(64, 64, 4, min_blocks=2)),
     64: (Tile(64, 64, 8, min_blocks=3, kv_bufs=2), Tile(64, 64, 8, min_blocks=3)),  # 2 buffers: 3 blocks on H100
-    128: (Tile(64, 64, 8), Tile(64, 32, 8)),
+    # D=128: 64 x 32 with two buffers (77 KB, 3 blocks on an H100) 2.6% ahead of 64 x 64 with one (85 KB, 2 blocks);
+    # 64 x 64 with two (118 KB) holds one block and is 6% behind (benchmarks/NOTES.md, session s9).
+    128: (Tile(64, 32, 8, min_blocks=2, kv_bufs=2), Tile(64, 64, 8), Tile(64, 32, 8)),
     256: (Tile(64, 32, 4), Tile(32, 16, 4)),
 }
 # dK/dV kernel: rows = keys Bc (kept on chip), cols = queries Br streamed through.
