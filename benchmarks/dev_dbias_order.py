@@ -3,8 +3,8 @@
 For the masks suite's bias shapes (bf16, B*N = 16k, H*D = 2048, a (1, H, N, N) bias broadcast over the batch,
 not causal): the backward with ``bias_grad=True`` with the batches of one kv head side by side in the grid
 (``kernels.family.batch_inner``, the plan's choice) and with the old order (batch slowest), alternated in one
-process; CUDA events, median. Also checks that both orders give the same gradients (dk, dv bit for bit; dq and dbias, float
-sums in another order, within rounding).
+process; CUDA events, median. Also checks that both orders give the same gradients (dk, dv bit for bit; dq and
+dbias, float sums in another order, within rounding).
 
 Usage: python benchmarks/dev_dbias_order.py [--kernel wgmma|mma|portable]
 """
@@ -21,19 +21,7 @@ import cupyflash as cf
 from cupyflash import _dtypes, cuda_backend
 from cupyflash.kernels import family
 
-
-def median_ms(fn, warmup: int = 3, iters: int = 15) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return statistics.median(times)
+from dev_wgmma import median_ms
 
 
 def order(on: bool) -> None:
@@ -76,7 +64,7 @@ def main() -> int:
         for _ in range(3):  # alternated rounds against drift
             for on in (False, True):
                 order(on)
-                times[on].append(median_ms(bwd))
+                times[on].append(median_ms(bwd, iters=15))
         old, new = (statistics.median(times[on]) for on in (False, True))
         line = (f"D={d:3d} N={n:5d} B={b:2d} H={h:2d}  bwd old {old:7.3f} ms  batch-inner {new:7.3f} ms  "
                 f"{old / new:5.2f}x  dk/dv same: {same}  dq, dbias rel diff {ddq:.1e}, {ddb:.1e}")

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _dtypes
 from ..kvcache_validation import KVCacheProblem
-from ..plans import DeviceLimits, LaunchPlan, cdiv
+from ..plans import DeviceLimits, LaunchPlan, blocks_by_smem, cdiv
 from . import build
 from .params import PARAMS
 
@@ -65,9 +65,8 @@ def mma_smem_bytes(kd: int, row_warps: int, stages: int) -> int:
 
 
 def blocks_per_sm(shared: int, limits: DeviceLimits) -> int:
-    """Resident blocks per SM by shared memory (the SM holds the per-block opt-in maximum plus 1 KB, and each
-    block costs 1 KB of reserve: 228 KB and 227 KB on an H100, 164 and 163 on an A100), at most 4."""
-    return max(1, min(4, (limits.max_shared_per_block + 1024) // (shared + 1024)))
+    """Resident blocks per SM by shared memory (``plans.blocks_by_smem``), at least 1 and at most 4."""
+    return max(1, min(4, blocks_by_smem(shared, limits)))
 
 
 @dataclass(frozen=True)

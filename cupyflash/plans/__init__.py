@@ -59,6 +59,12 @@ class DeviceLimits:
         return _current(dev.id)
 
 
+def blocks_by_smem(nbytes: int, limits: DeviceLimits) -> int:
+    """Blocks of ``nbytes`` dynamic shared memory an SM holds: the per-block opt-in maximum plus 1 KB, and 1 KB
+    reserved per block (sm_80+: 228 / 227 KB on an H100, 164 / 163 on an A100, 100 / 99 on sm_86/89)."""
+    return (limits.max_shared_per_block + 1024) // (nbytes + 1024)
+
+
 def _query(device_id: int) -> DeviceLimits:
     import cupy
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
-from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq
+from .tensorcore import (CONVERT_LANES, DELTA_LANES, MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around,
+                         owns_dq)
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -268,6 +269,6 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]
-        out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}, {lanes}>") for lanes in (8, 16, 32)]
-        out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}, {lanes}>") for lanes in (16, 32)]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}, {lanes}>") for lanes in DELTA_LANES]
+        out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}, {lanes}>") for lanes in CONVERT_LANES]
     return out

@@ -22,13 +22,13 @@ Tile choices (all arithmetic is float32 in shared memory, whatever the input dty
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
 from .. import _dtypes
 from ..variants import BUILTIN, Variant
-from . import DeviceLimits, LaunchPlan, cdiv, grid_axes, grid_heads
+from . import DeviceLimits, LaunchPlan, blocks_by_smem, cdiv, grid_axes, grid_heads
 
 FORWARD_SOURCE = "portable_forward.cu"
 BACKWARD_SOURCE = "portable_backward.cu"
@@ -106,32 +106,20 @@ def dq_smem(dp: int, t: Tile) -> int:
     return 4 * (2 * (br + bc) * _ld(dp) + br * _ld(bc) + 2 * br)
 
 
-def _pick(table: dict[int, tuple[Tile, ...]], smem, dp: int, limits: DeviceLimits) -> tuple[Tile, int]:
+def _pick(table: dict[int, tuple[Tile, ...]], smem, dp: int, limits: DeviceLimits,
+          usable: Callable[[Tile, int], bool] = lambda t, nbytes: True) -> tuple[Tile, int]:  # fmt: skip
+    """The first tile of ``table[dp]`` whose shared memory fits and that ``usable(tile, bytes)`` accepts."""
     for t in table[dp]:
         nbytes = smem(dp, t)
-        if nbytes <= limits.max_shared_per_block:
+        if nbytes <= limits.max_shared_per_block and usable(t, nbytes):
             return t, nbytes
     raise ValueError(f"no portable tile for D_pad={dp} fits {limits.max_shared_per_block} B of shared memory")
-
-
-def blocks_by_smem(nbytes: int, limits: DeviceLimits) -> int:
-    """Blocks of ``nbytes`` dynamic shared memory an SM holds: the per-block opt-in maximum plus 1 KB, and 1 KB
-    reserved per block (sm_80+: 228 / 227 KB on an H100, 164 / 163 on an A100, 100 / 99 on sm_86/89)."""
-    return (limits.max_shared_per_block + 1024) // (nbytes + 1024)
 
 
 def pipelines(t: Tile, dtype, nbytes: int, limits: DeviceLimits) -> bool:
     """May the forward use tile ``t`` with its two cp.async K/V buffers here (see the module docstring)?"""
     return (np.dtype(dtype) == _dtypes.FLOAT32 and limits.compute_capability >= 80
             and blocks_by_smem(nbytes, limits) >= t.min_blocks)  # fmt: skip
-
-
-def _forward_tile(s: "Shape", dp: int, limits: DeviceLimits) -> tuple[Tile, int]:
-    for t in FORWARD_TILES[dp]:
-        nbytes = forward_smem(dp, t)
-        if nbytes <= limits.max_shared_per_block and (t.kv_bufs == 1 or pipelines(t, s.dtype, nbytes, limits)):
-            return t, nbytes
-    raise ValueError(f"no portable tile for D_pad={dp} fits {limits.max_shared_per_block} B of shared memory")
 
 
 def ctype(dtype) -> str:
@@ -217,7 +205,8 @@ class PortableForwardPlan:
 
 def forward_plan(s: Shape, limits: DeviceLimits) -> PortableForwardPlan:
     dp = padded_d(s.d)
-    t, smem = _forward_tile(s, dp, limits)
+    t, smem = _pick(FORWARD_TILES, forward_smem, dp, limits,
+                    lambda t, nbytes: t.kv_bufs == 1 or pipelines(t, s.dtype, nbytes, limits))
     heads, tiles = s.query_axes(t.rows)
     grid = _grid(tiles, heads)  # one block per (Q_i tile, batch and query head)
     name = fwd_name(ctype(s.dtype), dp, t, s.variant.cpp_policy)

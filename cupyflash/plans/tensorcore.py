@@ -44,6 +44,11 @@ def owns_dq(key_tiles: int, total: int | None) -> bool:
     return key_tiles == 1 and total is None
 
 
+#: Every kLanes the Delta kernel and the dQ conversion take (delta_lanes, convert_lanes): what CI compiles.
+DELTA_LANES = (8, 16, 32)
+CONVERT_LANES = (16, 32)
+
+
 def delta_lanes(d: int) -> int:
     """Lanes per query row of the Delta kernel (mma_bwd_delta's kLanes): a 16-byte load of dO and O each per lane."""
     return 8 if d <= 64 else 16 if d <= 128 else 32
