@@ -205,11 +205,18 @@ def _instantiations() -> set[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Every instantiation of the module, compiled in parallel (NVRTC runs outside the GIL)."""
+    """Every instantiation of the module, compiled in parallel (NVRTC runs outside the GIL). A failure is left to
+    the test that launches the kernel, which compiles it again and reports it."""
     from cupyflash.kernels import build
 
+    def build_one(job):
+        try:
+            build.get_function(*job)
+        except Exception:  # noqa: BLE001 - reported by the launching test
+            pass
+
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda job: build.get_function(*job), sorted(_instantiations())))
+        list(pool.map(build_one, sorted(_instantiations())))
 
 
 # ---------------------------------------------------------------------------- tests (the smoke test first)
