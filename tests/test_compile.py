@@ -72,6 +72,10 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
        for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
 }
 
+#: The warp-specialised Hopper forward (opt-in): CI builds its bfloat16 instantiations (every built-in policy, about
+#: 1 CPU-second each); float16 differs only in conversions (all 12 measured spill-free too, NVRTC 13.5).
+WS_SOURCE = "wgmma_forward_ws.cu"
+
 #: Instantiations per NVRTC program: large enough to share the front end, small enough to spread over cores.
 CHUNK = 6
 
@@ -123,12 +127,14 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
+            if source == WS_SOURCE and "__half" in expr:
+                continue  # the warp-specialised forward: bfloat16 only (see WS_SOURCE)
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
                 jobs.append((name, source, expr, arch))
     for name, source, expr in dropout_representatives():
-        for arch in DROPOUT_ARCHS:
+        for arch in ARCHS[name] if name == "wgmma" else DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
     return jobs + array_jobs() + flex_jobs() + own_dq_jobs()
 
@@ -193,8 +199,8 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
         seen = set()
         for source, expr in fam.instantiations():
             kind = (source, expr.split("<", 1)[0])
-            if plain not in expr or "__half" in expr or kind in seen:
-                continue
+            if plain not in expr or "__half" in expr or kind in seen or source == wgmma_plans.FORWARD_WS_SOURCE:
+                continue  # (the warp-specialised forward takes no snippets: plans.wgmma.ws_unsupported)
             seen.add(kind)
             generated = f"{source}#flex-{spec.key}"
             jobs.append((fam.NAME, generated, expr.replace(plain, policies[len(jobs) % 2]), ARCHS[fam.NAME][0]))
@@ -218,9 +224,12 @@ def dropout_representatives() -> list[tuple[str, str, str]]:
     issue 16): compiling every policy again with dropout would double CI's time. Plain dropout: portable
     float32 D = 64, mma bfloat16 D = 64 (key-major backward); causal + softcap + dropout: portable float32
     D = 128, mma float16 D = 128 (the 2-D backward): forward and every backward kernel: 34 jobs, about
-    4 CPU-minutes of NVRTC (measured: 48 such jobs took 196 s on 2 busy cores), most of it the 8 mma ones."""
+    4 CPU-minutes of NVRTC (measured: 48 such jobs took 196 s on 2 busy cores), most of it the 8 mma ones.
+    The warp-specialised wgmma forward (sm_90a only; its consumers draw the keep bits unrolled): both dropout
+    policies at D = 64 and 128, bfloat16: 4 jobs."""
     from cupyflash.plans import mma as pm
     from cupyflash.plans import portable as pp
+    from cupyflash.plans import wgmma as pw
     from cupyflash.variants import DROPOUT
 
     plain, mixed = (v.cpp_policy for v in DROPOUT)
@@ -231,6 +240,8 @@ def dropout_representatives() -> list[tuple[str, str, str]]:
     for ct, d, pol in (("__nv_bfloat16", 64, plain), ("__half", 128, mixed)):
         out.append(("mma", pm.FORWARD_SOURCE, pm.FORWARD_CONFIGS[d].name(ct, pol)))
         out.append(("mma", pm.BACKWARD_SOURCE, pm.BACKWARD_CONFIGS[d].name(ct, pol)))
+    for cfg in pw.WS_FORWARD_CONFIGS.values():
+        out += [("wgmma", cfg.source, cfg.name("__nv_bfloat16", pol)) for pol in (plain, mixed)]
     return out
 
 
@@ -260,8 +271,11 @@ def _compile(program):
 
 
 @pytest.fixture(scope="session")
-def compiled(pytestconfig) -> dict:
-    programs = _programs(all_jobs())
+def compiled(request, pytestconfig) -> dict:
+    # only the selected tests' jobs: -k narrows the compiles too
+    selected = {item.callspec.params["job"] for item in request.session.items
+                if hasattr(item, "callspec") and "job" in item.callspec.params}  # fmt: skip
+    programs = _programs([job for job in all_jobs() if job in selected])
     out: dict = {}
     start = time.time()
     # pytest captures stdout and stderr at the file-descriptor level; progress goes around the capture.

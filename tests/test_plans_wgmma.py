@@ -11,7 +11,7 @@ from cupyflash.plans import A100, H100, RTX4090, DeviceLimits, cdiv
 from cupyflash.plans import mma as mma_plans
 from cupyflash.plans import wgmma as plans
 from cupyflash.validation import AttentionProblem
-from cupyflash.variants import Variant
+from cupyflash.variants import BUILTIN, DROPOUT, Variant
 
 POL = Variant().cpp_policy
 
@@ -33,8 +33,51 @@ def test_configs_fit_hopper_and_match_the_kernel_layout():
         # Q_i, then a ring of K_j and V_j tiles, plus 1 KB to align the base to the swizzle period.
         assert cfg.shared_bytes == (cfg.br + 2 * cfg.stages * cfg.bc) * pd * 2 + 1024
         assert cfg.min_blocks * cfg.shared_bytes <= 228 * 1024  # an H100/H200 SM's shared memory
-        assert plans.forward_config(pd, H100) == cfg
+        assert plans.forward_config(pd, H100, ws=False) == cfg and not cfg.ws and cfg.source == plans.FORWARD_SOURCE
     assert plans.FORWARD_CONFIGS[64].name("__half", POL) == f"wgmma_flash_fwd<__half, 64, 64, 2, 4, 2, {POL}>"
+
+
+def test_ws_configs_fit_hopper_and_match_the_kernel_layout():
+    """The warp-specialised forward (wgmma_flash_fwd_ws): a producer warpgroup beside 2 or 3 consumers, one block
+    per SM, Q_i, the K/V ring and its 4 * stages mbarriers (8 bytes each) plus the 1 KB alignment slack."""
+    for pd, cfg in plans.WS_FORWARD_CONFIGS.items():
+        assert cfg.ws and cfg.d == pd and cfg.source == plans.FORWARD_WS_SOURCE and cfg.min_blocks == 1
+        assert cfg.warpgroups in (2, 3) and cfg.br == 64 * cfg.warpgroups and cfg.threads == 128 * (cfg.warpgroups + 1)
+        assert cfg.bc in (64, 128) and cfg.stages >= 2
+        assert cfg.shared_bytes == (cfg.br + 2 * cfg.stages * cfg.bc) * pd * 2 + 32 * cfg.stages + 1024
+        assert cfg.shared_bytes <= H100.max_shared_per_block
+        assert plans.forward_config(pd, H100, ws=True) == cfg
+    name = plans.WS_FORWARD_CONFIGS[128].name("__half", POL)
+    assert name == f"wgmma_flash_fwd_ws<__half, 128, 128, 2, 3, {POL}>"
+    for bad in (dict(warpgroups=1), dict(warpgroups=4), dict(min_blocks=2), dict(stages=1)):
+        with pytest.raises(ValueError, match="warp-specialised"):
+            plans.ForwardConfig(128, bc=128, ws=True, **bad)
+
+
+def test_ws_default_and_explicit_choice(monkeypatch):
+    """The warp-specialised forward is opt-in (WS_DEFAULT all off: the default dispatch is main's); WS_DEFAULT picks
+    the forward per head dim; ws= or an explicit config picks either; calls with score arrays always get the lockstep
+    kernel's array configuration (the warp-specialised one stages no score tiles)."""
+    assert not any(plans.WS_DEFAULT.values())
+    for pd in (64, 128):
+        want = plans.WS_FORWARD_CONFIGS[pd] if plans.WS_DEFAULT[pd] else plans.FORWARD_CONFIGS[pd]
+        assert plans.forward_config(pd, H100) == want
+        assert plans.forward_config(pd - 8, H100) == want  # padded head dims
+        monkeypatch.setattr(plans, "WS_DEFAULT", {**plans.WS_DEFAULT, pd: not plans.WS_DEFAULT[pd]})
+        assert plans.forward_config(pd, H100) != want
+        monkeypatch.undo()
+        arrays = Variant(mask=True)
+        assert plans.forward_config(pd, H100, arrays, ws=True) == plans.ARRAY_FORWARD_CONFIGS[pd]
+        ws = plans.plan_forward(2, 8, 1000, pd, "__nv_bfloat16", H100, plans.WS_FORWARD_CONFIGS[pd])
+        lock = plans.plan_forward(2, 8, 1000, pd, "__nv_bfloat16", H100, plans.FORWARD_CONFIGS[pd])
+        for plan, cfg in ((ws, plans.WS_FORWARD_CONFIGS[pd]), (lock, plans.FORWARD_CONFIGS[pd])):
+            assert plan.config == cfg and plan.main.source == cfg.source
+            assert plan.main.name == cfg.name("__nv_bfloat16", POL) and plan.main.block == (cfg.threads, 1, 1)
+            assert plan.main.shared_bytes == cfg.shared_bytes and plan.main.grid == (cdiv(1000, cfg.br), 16, 1)
+        with pytest.raises(ValueError, match="mask/bias array"):
+            plans.plan_forward(2, 8, 1000, pd, "__nv_bfloat16", H100, plans.WS_FORWARD_CONFIGS[pd], variant=arrays)
+    assert plans.forward_config(128, DeviceLimits(compute_capability=90, sm_count=132,
+                                                  max_shared_per_block=200 * 1024), ws=True) is None
 
 
 def test_only_compute_capability_9_0():
@@ -97,12 +140,12 @@ def test_plan_backward_wraps_the_mma_helpers():
 
 
 def test_plan_forward_geometry():
-    cfg = plans.FORWARD_CONFIGS[128]
+    cfg = plans.forward_config(128, H100)  # the default (WS_DEFAULT) at D = 128
     plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100)
     assert plan.config == cfg
     assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and not plan.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.source == plans.FORWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16", POL)
+    assert plan.main.source == cfg.source and plan.main.name == cfg.name("__nv_bfloat16", POL)
     causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, variant=Variant(True))
     assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
     assert causal.heads_on_x == plans._heads_first(True, 36, H100.sm_count)
@@ -116,12 +159,13 @@ def test_instantiations_cover_every_config_once():
     inst = family.instantiations()
     from cupyflash.variants import BUILTIN
 
-    n_configs = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS)
+    n_configs = len(plans.FORWARD_CONFIGS) + len(plans.WS_FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS)
     assert len(inst) == len(set(inst)) == 2 * len(BUILTIN) * n_configs  # dtypes x policies x configs
-    assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.BACKWARD_SOURCE}
+    assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
     assert ARCH_SPECIFIC[plans.FORWARD_SOURCE] == ARCH_SPECIFIC[plans.BACKWARD_SOURCE] == plans.ARCH
+    assert ARCH_SPECIFIC[plans.FORWARD_WS_SOURCE] == plans.ARCH
 
 
 def test_backward_grid_order_under_causal():
@@ -163,9 +207,9 @@ def test_array_plans_stage_score_tiles_where_they_fit(variant, d):
     assert f"<__nv_bfloat16, {d}, {fcfg.bc}, 2, {fcfg.stages}," in fwd.name  # the array configuration
     if d == 64 and variant.bias != "float":
         assert 2 * fwd.shared_bytes <= 228 * 1024 or (variant.mask and variant.bias)
-    # the plain problem keeps the plain configuration and policy
+    # the plain problem keeps the plain configuration (lockstep or warp-specialised, WS_DEFAULT) and policy
     plain = plans.plan_forward(2, 4, 1000, d, "__nv_bfloat16", H100).main
-    assert plain.name == plans.FORWARD_CONFIGS[d].name("__nv_bfloat16", Variant().cpp_policy)
+    assert plain.name == plans.forward_config(d, H100).name("__nv_bfloat16", Variant().cpp_policy)
 
 
 def test_score_tile_bytes_by_hand():
@@ -191,3 +235,41 @@ def test_score_tile_bytes_match_cpp():
     exprs = [f"cupyflash::score_tile_bytes<cupyflash::{v._score_name((r, c))}>()" for v, r, c in combos]
     raw = probe_values("attention_policy.cuh", exprs, "compute_90a")
     assert raw == [v.score_tile_bytes(r, c) for v, r, c in combos]
+
+
+@pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
+def test_ws_layout_matches_cpp():
+    """The warp-specialised kernel's threads and ring barriers (through NVRTC) are what its configurations launch and
+    lay out, and its setmaxnreg split stays within the register file."""
+    from test_launch_abi import probe_values
+
+    cfgs = list(plans.WS_FORWARD_CONFIGS.values())
+    exprs = []
+    for cfg in cfgs:
+        regs = f"WsRegs<{cfg.warpgroups}>"
+        exprs += [f"{regs}::kThreads", f"cupyflash::ws::Ring<{cfg.stages}>::kBytes",
+                  f"{regs}::kProducerRegs + {cfg.warpgroups} * {regs}::kConsumerRegs", f"{regs}::kLaunchRegs"]
+    raw = probe_values(plans.FORWARD_WS_SOURCE, exprs, "compute_90a")
+    for i, cfg in enumerate(cfgs):
+        threads, ring_bytes, split, launch = raw[4 * i : 4 * i + 4]
+        assert threads == cfg.threads and ring_bytes == 32 * cfg.stages
+        assert cfg.shared_bytes == (cfg.br + 2 * cfg.stages * cfg.bc) * cfg.d * 2 + ring_bytes + 1024
+        assert launch * threads <= 65536 and split <= launch * (cfg.warpgroups + 1)
+
+
+def test_ws_unsupported_gives_reasons_and_falls_back():
+    """The warp-specialised forward takes the built-in policies; what it does not take has a reason, and a call of it
+    gets the lockstep kernel even where the switch asks for the warp-specialised one."""
+    from cupyflash import flex
+
+    for v in (*BUILTIN, *DROPOUT, Variant.of(False, None, 0.0, False, True)):
+        assert plans.ws_unsupported(v) is None, v
+        assert plans.forward_config(128, H100, v, ws=True) == plans.WS_FORWARD_CONFIGS[128]
+    spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
+    arrays = plans.ARRAY_FORWARD_CONFIGS
+    for v, want in ((Variant(mask=True), arrays), (Variant(bias="float"), arrays),
+                    (Variant(flex=spec), plans.FORWARD_CONFIGS)):  # fmt: skip
+        assert "mask/bias" in plans.ws_unsupported(v) or "flex" in plans.ws_unsupported(v)
+        assert plans.forward_config(64, H100, v, ws=True) == want[64]
+        with pytest.raises(ValueError, match="warp-specialised"):
+            plans.plan_forward(1, 2, 100, 64, "__half", H100, plans.WS_FORWARD_CONFIGS[64], variant=v)

@@ -96,7 +96,8 @@ def compile_options() -> tuple[str, ...]:
 
 #: Sources built for one architecture-specific target: wgmma exists only in sm_90a, which CuPy's own
 #: ``-arch=sm_90`` does not enable (NVRTC keeps the "a" target when both are given).
-ARCH_SPECIFIC: dict[str, str] = {"wgmma_forward.cu": "sm_90a", "wgmma_backward.cu": "sm_90a"}
+ARCH_SPECIFIC: dict[str, str] = {"wgmma_forward.cu": "sm_90a", "wgmma_forward_ws.cu": "sm_90a",
+                                 "wgmma_backward.cu": "sm_90a"}
 
 
 def source_options(source: str) -> tuple[str, ...]:

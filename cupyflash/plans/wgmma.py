@@ -12,6 +12,7 @@ from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq
 
 FORWARD_SOURCE = "wgmma_forward.cu"
+FORWARD_WS_SOURCE = "wgmma_forward_ws.cu"  # the warp-specialised forward (wgmma_flash_fwd_ws)
 BACKWARD_SOURCE = "wgmma_backward.cu"
 
 #: The compute capability whose "a" target the kernels are built for (wgmma runs on 9.0 only).
@@ -32,13 +33,23 @@ def padded_head_dim(d: int) -> int | None:
 @dataclass(frozen=True)
 class ForwardConfig:
     """Tiles of wgmma_flash_fwd: Br = 64 * warpgroups query rows, Bc keys, a kStages K/V ring, and the
-    blocks per SM that the register budget must leave room for."""
+    blocks per SM that the register budget must leave room for.
+
+    ``ws``: the warp-specialised kernel wgmma_flash_fwd_ws instead (cuda_src/wgmma_forward_ws.cu): one producer
+    warpgroup that copies beside ``warpgroups`` consumer warpgroups (2 or 3) that compute, one block per SM (its
+    setmaxnreg split assumes the whole register file), and the ring's 4 * stages mbarriers after the tiles."""
 
     d: int  # padded head dim, 64 or 128
     bc: int
-    warpgroups: int = 2
+    warpgroups: int = 2  # warpgroups that compute (the consumers, with ws)
     stages: int = 3  # tile t+1 loads while P_{t-1} V_{t-1} still reads tile t-1
     min_blocks: int = 1
+    ws: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ws and (self.warpgroups not in (2, 3) or self.min_blocks != 1 or self.stages < 2):
+            raise ValueError(f"the warp-specialised forward takes 2 or 3 consumer warpgroups, one block per SM and "
+                             f"2 or more stages (got {self})")  # fmt: skip
 
     @property
     def br(self) -> int:
@@ -46,13 +57,20 @@ class ForwardConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.ws)
+
+    @property
+    def source(self) -> str:
+        return FORWARD_WS_SOURCE if self.ws else FORWARD_SOURCE
 
     @property
     def shared_bytes(self) -> int:
-        return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + _ALIGN_SLACK
+        barriers = 4 * self.stages * 8 if self.ws else 0  # FULL_K, FULL_V, EMPTY_K, EMPTY_V per slot
+        return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + barriers + _ALIGN_SLACK
 
     def name(self, ctype: str, policy: str) -> str:
+        if self.ws:
+            return f"wgmma_flash_fwd_ws<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {policy}>"
         return (
             f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}, "
             f"{policy}>"
@@ -76,11 +94,42 @@ ARRAY_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 }
 
 
-def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant()) -> ForwardConfig | None:
+#: The warp-specialised forward (wgmma_flash_fwd_ws; benchmarks/NOTES.md, "Warp-specialised Hopper forward"): one
+#: producer warpgroup, FlashAttention-3's register split and ping-pong. D = 128: two consumers (Br = 128, the
+#: lockstep kernel's tile), 24 / 240 registers. D = 64: three consumers (Br = 192) with Bc = 128, 32 / 160 registers,
+#: FlashAttention-3's hdim-64 tile; one block per SM where the lockstep kernel runs two.
+WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
+    64: ForwardConfig(64, bc=128, warpgroups=3, stages=4, ws=True),
+    128: ForwardConfig(128, bc=128, warpgroups=2, stages=3, ws=True),
+}
+#: Opt-in switch, per padded head dim: does a call that the warp-specialised forward takes (ws_unsupported) get it
+#: by default? Off until it is measured faster than the lockstep kernel (benchmarks/dev_wgmma_ws.py); tests and dev
+#: scripts set it, or pass ``forward_config(..., ws=True)`` / an explicit ``config``.
+WS_DEFAULT: dict[int, bool] = {64: False, 128: False}
+
+
+def ws_unsupported(variant: Variant) -> str | None:
+    """Why the warp-specialised forward cannot run a call of ``variant`` (the lockstep kernel then does), or None.
+    It takes the built-in policies (masks: none, causal, window; softcap, ALiBi, sinks, dropout) of either dtype."""
+    if variant.arrays:
+        return "does not stage mask/bias array tiles (the lockstep kernel does)"
+    if variant.flex is not None or variant.block_mask:
+        return "is not built with user snippets or block masks (flex)"
+    return None
+
+
+def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), ws: bool | None = None
+                   ) -> ForwardConfig | None:  # fmt: skip
+    """The forward configuration of a call: the warp-specialised one where ``ws`` asks for it (None:
+    ``WS_DEFAULT``) and ``ws_unsupported`` has no objection, else the lockstep kernel's (its array configuration
+    with score arrays); None where nothing fits."""
     pd = padded_head_dim(d)
     if pd is None or limits.compute_capability != COMPUTE_CAPABILITY:
         return None
-    cfg = (ARRAY_FORWARD_CONFIGS if variant.arrays else FORWARD_CONFIGS)[pd]
+    if (WS_DEFAULT[pd] if ws is None else ws) and ws_unsupported(variant) is None:
+        cfg = WS_FORWARD_CONFIGS[pd]
+    else:
+        cfg = (ARRAY_FORWARD_CONFIGS if variant.arrays else FORWARD_CONFIGS)[pd]
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
 
 
@@ -117,11 +166,13 @@ def plan_forward(
     cfg = config or forward_config(d, limits, variant)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
+    if cfg.ws and ws_unsupported(variant) is not None:
+        raise ValueError(f"the warp-specialised wgmma forward {ws_unsupported(variant)}")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, 2, cfg.shared_bytes, limits)  # slots: tiles t, t + 1
-    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
+    main = LaunchPlan(cfg.source, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
 
 
@@ -189,12 +240,12 @@ def plan_backward(
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
                    ) -> list[tuple[str, str]]:  # fmt: skip
-    """The forward and backward main kernels (the backward's helpers are the mma family's), with the policies
-    of ``variants``."""
+    """The forward (lockstep and warp-specialised) and backward main kernels (the backward's helpers are the mma
+    family's), with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for pol in (v.cpp_policy for v in variants):
-            out += [(FORWARD_SOURCE, c.name(ct, pol)) for c in FORWARD_CONFIGS.values()]
+            out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
     return out
 

@@ -1,0 +1,104 @@
+// Warp specialisation on Hopper (sm_90a): shared-memory mbarriers for a producer/consumer ring of tiles, named
+// barriers between warpgroups, and setmaxnreg (a producer warpgroup's registers handed to the consumers).
+//
+// mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"): a 64-bit object in
+// shared memory whose current phase completes when the count given to init has arrived; it then starts the next
+// phase. Phases alternate in parity (0, 1, 0, ...): waiting for parity x returns once the phase of that parity
+// has completed, and at once for parity 1 on a fresh barrier (phase 0 under way, the one "before" it counts as
+// complete), which is how a producer's first pass over empty slots goes through. arrive releases this thread's
+// earlier memory operations (.release.cta by default) and a successful wait acquires them.
+#pragma once
+#include "mma_primitives.cuh"
+
+namespace cupyflash {
+namespace ws {
+
+using mma::uint32_t;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Orders the inits before other threads' (and the async proxy's) use of the barriers; a block barrier follows.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Has the phase of this parity completed? (try_wait may also give up after a time of its own choosing.)
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// x through a register move the compiler cannot see through (mma::opaque's 64-bit twin): what is computed from
+// it inside a loop is rebuilt there instead of being hoisted out into registers held through the loop (the
+// producer warpgroup keeps few).
+__device__ __forceinline__ long long opaque64(long long x) {
+  long long y;
+  asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+  return y;
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads: sync waits for the count, arrive counts
+// this warp without waiting. Every thread of a warp takes the same one.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The executing warpgroup's per-thread register count, from the block's pool (every warp of the warpgroup runs
+// the same one): dec gives registers back, inc waits until the pool has them.
+template <int kRegs>
+__device__ __forceinline__ void regs_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes multiples of 8 in [24, 256]");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes multiples of 8 in [24, 256]");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// A ring of kStages K/V slots: per slot a FULL barrier for K and one for V (the producer's threads arrive once
+// their copies into it have landed) and an EMPTY barrier for each (the consumer warps arrive once their last
+// product reading it has completed). Tile t sits in slot t % kStages; its fill is that slot's (t / kStages)-th,
+// so consumers wait for FULL parity (t / kStages) % 2 and the producer, before refilling, for EMPTY parity
+// (t / kStages + 1) % 2 (the release of tile t - kStages; at once on the first pass).
+template <int kStages>
+struct Ring {
+  static constexpr int kBytes = 4 * kStages * 8;
+  uint32_t base;  // 8-byte aligned shared address of the 4 kStages barriers
+  __device__ __forceinline__ uint32_t full_k(int t) const { return base + 8 * slot(t); }
+  __device__ __forceinline__ uint32_t full_v(int t) const { return base + 8 * (kStages + slot(t)); }
+  __device__ __forceinline__ uint32_t empty_k(int t) const { return base + 8 * (2 * kStages + slot(t)); }
+  __device__ __forceinline__ uint32_t empty_v(int t) const { return base + 8 * (3 * kStages + slot(t)); }
+  static __device__ __forceinline__ int slot(int t) { return static_cast<int>(static_cast<unsigned>(t) % kStages); }
+  static __device__ __forceinline__ uint32_t fill_parity(int t) { return (static_cast<unsigned>(t) / kStages) & 1u; }
+  static __device__ __forceinline__ uint32_t refill_parity(int t) { return fill_parity(t) ^ 1u; }
+  __device__ __forceinline__ void init(uint32_t producers, uint32_t consumers) const {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_k(s), producers);
+      mbar_init(full_v(s), producers);
+      mbar_init(empty_k(s), consumers);
+      mbar_init(empty_v(s), consumers);
+    }
+  }
+};
+
+}  // namespace ws
+}  // namespace cupyflash
