@@ -39,6 +39,7 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cupyflash as cf
+    from cupyflash import cuda_backend
     from cupyflash.plans import wgmma
 
     bf16 = cp.dtype("bfloat16")
@@ -57,8 +58,10 @@ def main() -> None:
                     for mode in (("off", "on") if rnd == 0 else ("on", "off")):
                         on = mode == "on"
                         wgmma.WS_DEFAULT.update({64: on, 128: on})
+                        cuda_backend._forward_cache.clear()  # plans are cached per call signature
                         t[mode].append(per_call_ms(lambda: cf.attention_forward(q, k, v, causal=causal)))
                 wgmma.WS_DEFAULT.update({64: False, 128: False})
+                cuda_backend._forward_cache.clear()
                 ref = {}
                 for name, be in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FLASH", SDPBackend.FLASH_ATTENTION)):
                     with sdpa_kernel(be):
