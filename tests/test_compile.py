@@ -72,9 +72,6 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
        for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
 }
 
-#: The warp-specialised Hopper forward (opt-in): CI builds its bfloat16 instantiations (every built-in policy, about
-#: 1 CPU-second each); float16 differs only in conversions (all 12 measured spill-free too, NVRTC 13.5).
-WS_SOURCE = "wgmma_forward_ws.cu"
 
 #: Instantiations per NVRTC program: large enough to share the front end, small enough to spread over cores.
 CHUNK = 6
@@ -127,8 +124,6 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
-            if source == WS_SOURCE and "__half" in expr:
-                continue  # the warp-specialised forward: bfloat16 only (see WS_SOURCE)
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue

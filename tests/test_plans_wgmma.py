@@ -55,10 +55,16 @@ def test_ws_configs_fit_hopper_and_match_the_kernel_layout():
 
 
 def test_ws_default_and_explicit_choice(monkeypatch):
-    """The warp-specialised forward is opt-in (WS_DEFAULT all off: the default dispatch is main's); WS_DEFAULT picks
-    the forward per head dim; ws= or an explicit config picks either; calls with score arrays always get the lockstep
-    kernel's array configuration (the warp-specialised one stages no score tiles)."""
-    assert not any(plans.WS_DEFAULT.values())
+    """WS_DEFAULT picks the forward per head dim (both on, measured faster); ws= or an explicit config picks either;
+    calls with score arrays always get the lockstep kernel's array configuration (the warp-specialised one stages no
+    score tiles); causal D = 64 calls shorter than WS_MIN_CAUSAL_ROWS_D64 keep the lockstep kernel."""
+    assert all(plans.WS_DEFAULT.values())
+    causal = Variant(causal=True)
+    short, long = plans.WS_MIN_CAUSAL_ROWS_D64 - 1, plans.WS_MIN_CAUSAL_ROWS_D64
+    assert plans.plan_forward(1, 8, short, 64, "__half", H100, variant=causal).config == plans.FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, long, 64, "__half", H100, variant=causal).config == plans.WS_FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, short, 64, "__half", H100).config == plans.WS_FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, short, 128, "__half", H100, variant=causal).config == plans.WS_FORWARD_CONFIGS[128]
     for pd in (64, 128):
         want = plans.WS_FORWARD_CONFIGS[pd] if plans.WS_DEFAULT[pd] else plans.FORWARD_CONFIGS[pd]
         assert plans.forward_config(pd, H100) == want

@@ -102,10 +102,14 @@ WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     64: ForwardConfig(64, bc=128, warpgroups=3, stages=4, ws=True),
     128: ForwardConfig(128, bc=128, warpgroups=2, stages=3, ws=True),
 }
-#: Opt-in switch, per padded head dim: does a call that the warp-specialised forward takes (ws_unsupported) get it
-#: by default? Off until it is measured faster than the lockstep kernel (benchmarks/dev_wgmma_ws.py); tests and dev
-#: scripts set it, or pass ``forward_config(..., ws=True)`` / an explicit ``config``.
-WS_DEFAULT: dict[int, bool] = {64: False, 128: False}
+#: Per padded head dim: does a call that the warp-specialised forward takes (ws_unsupported) get it by default?
+#: Measured through the API against the lockstep kernel (benchmarks/dev_ws_ab.py, H100, bf16, B*N = 16k, N 1k-16k):
+#: 1.05-1.21x at D = 64 and 1.03-1.11x at D = 128 on 18 of 20 shapes, the two others D = 64 causal at N = 1k (0.85x:
+#: few 192-row tiles a head, one block an SM; WS_MIN_CAUSAL_ROWS_D64) and D = 128 causal at 4k (0.995x). Tests and
+#: dev scripts flip it, or pass ``forward_config(..., ws=...)`` / an explicit ``config``.
+WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
+#: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT).
+WS_MIN_CAUSAL_ROWS_D64 = 2048
 
 
 def ws_unsupported(variant: Variant) -> str | None:
@@ -163,7 +167,8 @@ def plan_forward(
     config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
-    cfg = config or forward_config(d, limits, variant)
+    short_causal = variant.causal and padded_head_dim(d) == 64 and nq < WS_MIN_CAUSAL_ROWS_D64
+    cfg = config or forward_config(d, limits, variant, ws=False if short_causal else None)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     if cfg.ws and ws_unsupported(variant) is not None:
