@@ -205,9 +205,9 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
 // SMs wrote them during this launch, and L1 is not coherent with them.
 //
 // One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the split weights
-// of splits l, l + 32, ..., handed out by shuffles. The split loop is unrolled (kUnroll splits) so that each lane has
-// several independent L2 loads in flight: a loop that waited on one load per split and column (merge_states' shape)
-// costs ~splits x columns L2 round trips (tens of us at 33 splits).
+// of splits l, l + 32, ..., handed out by shuffles. The split loop is unrolled (kUnroll splits: 4 in the FMA kernel,
+// 8 in the tensor-core one) so that each lane has several independent L2 loads in flight: a loop that waited on one
+// load per split and column (merge_states' shape) costs ~splits x columns L2 round trips (tens of us at 33 splits).
 template <typename T, int kD, int kUnroll = 4>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int kvh, int m0, int km) {
   __threadfence();  // this thread's partials are visible device-wide before the block counts itself in

@@ -15,7 +15,9 @@
 // 16-byte copies; a paged cache is located once per key row (one block-table read per row and thread, a shift
 // when page_size is a power of two), never per element, and (v3) the reads for a tile go out one loop iteration
 // before its copies, so a scattered table (page size 1: 64 entries a tile) never stalls a warp. With several
-// splits, the last block of a row chunk merges the chunk's partials in the same launch (merge_if_last).
+// splits, the last block of a row chunk merges the chunk's partials in the same launch (merge_if_last). (v5) The
+// block's ends are short: Q's rows go out by cp.async ahead of the ring's copies, and the merge keeps 8 loads in
+// flight per lane.
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
@@ -24,99 +26,21 @@ namespace cupyflash {
 
 constexpr int kDecodeMmaThreads = 128;
 constexpr int kDecodeMmaBc = 64;  // keys per tile (per stage)
-// Decode v5's switches, decode_split_mma's kFlags (0: the kernel as before v5). kDecodeBulk: K/V rows by bulk copies
-// (sm_90+). kDecodeFastEnds: the block's start and end made shorter: Q by 16-byte cp.async issued before the first
-// K/V copies (where q's rows allow it), instead of 2-byte loads after them whose round trips queue behind those
-// copies; and the split merge (merge_if_last) with 8 loads in flight per lane instead of 4.
-constexpr int kDecodeBulk = 1;
-constexpr int kDecodeFastEnds = 2;
 
 // Shared memory of decode_split_mma: Q, then the K/V ring; after the loop the same bytes hold each warp's
-// O (float32), m and l for the combine. The host sizes it with the same formulas (kernels/decode.py). kBulk
-// (decode v5, sm_90): K/V rows padded to kD + 8 elements instead of swizzled (a bulk copy writes a row's bytes in
-// order; the 16-byte shift between rows keeps ldmatrix conflict-free), and one mbarrier per ring slot after the
-// rest (never overlapped by the combine buffer).
-template <typename T, int kD, int kRowWarps, int kStages, bool kBulk = false>
+// O (float32), m and l for the combine. The host sizes it with the same formulas (kernels/decode.py).
+template <typename T, int kD, int kRowWarps, int kStages>
 struct DecodeMmaSmem {
   using L = mma::TileLayout<kD>;
   static constexpr int kM = 16 * kRowWarps;
-  static constexpr int kQ = kM * L::kPitch;                       // elements
-  static constexpr int kKVPitch = kBulk ? kD + 8 : L::kPitch;      // elements per K/V row
-  static constexpr int kTile = kDecodeMmaBc * kKVPitch;           // elements of one K or V tile
+  static constexpr int kQ = kM * L::kPitch;                // elements
+  static constexpr int kTile = kDecodeMmaBc * L::kPitch;  // elements of one K or V tile
   static constexpr int kLoopBytes = (kQ + 2 * kStages * kTile) * static_cast<int>(sizeof(T));
   static constexpr int kOPitch = kD + 8;  // floats: a quad's float2 stores of 8 rows fill two wavefronts
   static constexpr int kWarps = kDecodeMmaThreads / 32;
   static constexpr int kEpiBytes = 4 * (kWarps * 16 * kOPitch + 2 * kWarps * 16);
-  static constexpr int kBarOffset = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;  // a multiple of 16
-  static constexpr int kBytes = kBarOffset + (kBulk ? 8 * kStages : 0);
+  static constexpr int kBytes = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;
 };
-
-// ldmatrix row addresses in the padded K/V tiles of the bulk path (LdmRows' interface): chunk 2 * ks + cb of row
-// (row + row_shift) at byte 2 * ((row + row_shift) * (kD + 8) + 8 * (2 * ks + cb)).
-template <int kD>
-struct PaddedRows {
-  static constexpr int kPitchBytes = 2 * (kD + 8);
-  mma::uint32_t off;
-  __device__ __forceinline__ PaddedRows(int row, int cb)
-      : off(static_cast<mma::uint32_t>(row * kPitchBytes + 16 * cb)) {}
-  __device__ __forceinline__ mma::uint32_t at(mma::uint32_t base, int ks, int row_shift = 0) const {
-    return base + off + static_cast<mma::uint32_t>(ks * 32 + row_shift * kPitchBytes);
-  }
-};
-
-template <int kD, bool kBulk>
-struct KVRows {
-  using type = mma::LdmRows<kD>;
-};
-template <int kD>
-struct KVRows<kD, true> {
-  using type = PaddedRows<kD>;
-};
-
-// ------------------------------------------------------------------ sm_90 bulk copies and mbarriers (decode v5)
-// Built for every architecture so that one template serves all; the plan launches the bulk path only where the
-// device's compute capability is 9.0 or more (elsewhere these trap).
-
-__device__ __forceinline__ void mbar_init(mma::uint32_t bar, int count) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-// One arrival that also expects `bytes` more of asynchronous copies in the barrier's current phase.
-__device__ __forceinline__ void mbar_expect(mma::uint32_t bar, int bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
-               "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-// Wait until the phase of parity `parity` has completed (acquire: the bulk copies' bytes are visible after).
-__device__ __forceinline__ void mbar_wait(mma::uint32_t bar, int parity) {
-#if __CUDA_ARCH__ >= 900
-  mma::uint32_t done = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.b32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-#else
-  __trap();
-#endif
-}
-// `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), completing on barrier bar, with
-// an L2 cache policy (evict-first: each K/V byte is read once per call).
-__device__ __forceinline__ void bulk_copy(mma::uint32_t dst, const void* src, int bytes, mma::uint32_t bar,
-                                          unsigned long long policy) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, "
-               "[%3], %4;\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
-#else
-  __trap();
-#endif
-}
 
 // Where the keys of sequence b live: a block-table row (paged) or one cache row (contiguous), with the
 // device-side clamps of slot_offset (pages and rows inside the arrays whatever the tables hold).
@@ -207,57 +131,11 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
   }
 }
 
-// Decode v5 (kBulk, sm_90): bytes the bulk copies of the tile at k0 bring (its K and V rows before k_end, d
-// elements each): what the tile's mbarrier expects.
-template <typename T>
-__device__ __forceinline__ int bulk_tile_bytes(const DecodeParams& p, int k0, int k_end) {
-  return min(kDecodeMmaBc, k_end - k0) * 2 * p.attn.d * static_cast<int>(sizeof(T));
-}
-
-// Decode v5 (kBulk, sm_90): queue K and V rows [k0, k0 + 64) of head kvh into one ring slot as one bulk copy per
-// row (d elements, 16-byte aligned: the host checks the cache's rows), completing on the slot's mbarrier. Thread t
-// copies K row t (t < 64) or V row t - 64, its block-table entry fetched before (one entry a thread). Rows at or
-// past k_end are not copied: their K rows are masked (their scores become -inf whatever the bytes), and their V
-// rows are zeroed here by plain stores (P is 0 there, and 0 * garbage could be NaN); only a split's last tile has
-// such rows, so no later copy into the slot follows these stores. Columns past d: zeroed once before the loop.
-template <typename T, int kD>
-__device__ __forceinline__ void load_kv_bulk(T* sK, T* sV, mma::uint32_t bar, const DecodeParams& p,
-                                             const CacheRows& rows, int kvh, int k0, int k_end, int entry,
-                                             unsigned long long policy) {
-  static_assert(2 * kDecodeMmaBc == kDecodeMmaThreads, "one K or V row per thread");
-  constexpr int kPitch = kD + 8;
-  const int r = threadIdx.x % kDecodeMmaBc;
-  const bool is_v = threadIdx.x >= kDecodeMmaBc;
-  const int key = k0 + r;
-  T* dst = (is_v ? sV : sK) + r * kPitch;
-  if (key < k_end) {
-    int page, slot;
-    rows.place(key, entry, page, slot);
-    const Strides& st = is_v ? p.vc_s : p.kc_s;
-    const T* src = static_cast<const T*>(is_v ? p.v_cache : p.k_cache) + page * st.b + kvh * st.h + slot * st.n;
-    bulk_copy(mma::smem_u32(dst), src, p.attn.d * static_cast<int>(sizeof(T)), bar, policy);
-  } else if (is_v) {
-#pragma unroll
-    for (int c = 0; c < kD / 8; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-// This thread's block-table entry for its row of the tile at k0 (load_kv_bulk's layout; 0 at or past k_end).
-__device__ __forceinline__ int fetch_page_bulk(const CacheRows& rows, int k0, int k_end) {
-  const int key = k0 + static_cast<int>(threadIdx.x) % kDecodeMmaBc;
-  return key < k_end ? rows.fetch(key) : 0;
-}
-
 // Grid: (B, Hk * m_chunks, splits); 128 threads. Packed row r of the block is row m0 + r of KV head kvh's
-// group: query head kvh * group + (m0 + r) / nq, query (m0 + r) % nq. kFlags (decode v5; the arithmetic is the
-// same, in the same order, under every flag): kDecodeBulk (sm_90 only), K/V rows arrive by bulk copies
-// (load_kv_bulk) into padded rows, each ring slot's completion tracked by an mbarrier, in place of the 16-byte
-// cp.async copies; kDecodeFastEnds, Q's copies go out first and the split merge keeps more loads in flight.
-template <typename T, int kD, int kRowWarps, int kStages, class Policy, int kFlags = 0>
+// group: query head kvh * group + (m0 + r) / nq, query (m0 + r) % nq.
+template <typename T, int kD, int kRowWarps, int kStages, class Policy>
 __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const __grid_constant__ DecodeParams p) {
-  constexpr bool kBulk = (kFlags & kDecodeBulk) != 0;
-  constexpr bool kFastEnds = (kFlags & kDecodeFastEnds) != 0;
-  using S = DecodeMmaSmem<T, kD, kRowWarps, kStages, kBulk>;
+  using S = DecodeMmaSmem<T, kD, kRowWarps, kStages>;
   using L = mma::TileLayout<kD>;
   using namespace mma;
   constexpr int kKeyWarps = S::kWarps / kRowWarps;
@@ -292,11 +170,12 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
   const int k_end = min(keys.end, k_begin + chunk);
   const int n_tiles = k_end > k_begin ? (k_end - k_begin + kDecodeMmaBc - 1) / kDecodeMmaBc : 0;
 
-  // kFastEnds: Q rows of the chunk by 16-byte cp.async before any K/V copy (zero past m_rows and d), where q and
-  // its strides are 16-byte aligned (a dense or rotated q is); the ring's first group carries them with tile 0.
+  // Q rows of the chunk (zero past m_rows and d) by 16-byte cp.async, issued before any K/V copy so that they do
+  // not queue behind the ring's; the ring's first group carries them with tile 0. Only where q and its strides are
+  // 16-byte aligned (a dense or rotated q is): else plain loads below.
   const T* gq = static_cast<const T*>(a.q);
   constexpr int kQVec = 16 / static_cast<int>(sizeof(T));
-  const bool q_async = kFastEnds && reinterpret_cast<unsigned long long>(gq) % 16 == 0 && a.q_s.b % kQVec == 0 &&
+  const bool q_async = reinterpret_cast<unsigned long long>(gq) % 16 == 0 && a.q_s.b % kQVec == 0 &&
                        a.q_s.h % kQVec == 0 && a.q_s.n % kQVec == 0;
   if (q_async) {
     constexpr int kQChunks = kD / kQVec;
@@ -307,57 +186,22 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       if (ok) src += b * a.q_s.b + (kvh * a.group + row / a.nq) * a.q_s.h + (row % a.nq) * a.q_s.n + c * kQVec;
       cp_async_16(smem_u32(sQ + L::offset(r, c)), src, ok ? 16 : 0);
     }
-    if constexpr (kBulk) cp_async_commit();  // the bulk path's only cp.async group
   }
 
   // The ring's first kStages - 1 tiles (their table entries read and used at once), then the entries of the
   // next tile to queue: from here on each tile's entries are fetched one loop iteration before its copies.
-  int entry[kBulk ? 1 : KVLoadShape<kD>::kRows];
-  const uint32_t bar0 = smem_u32(smem_raw + S::kBarOffset);  // kBulk: slot s's mbarrier at bar0 + 8 * s
-  if constexpr (kBulk) {
-    // One thread initialises the barriers (one arrival a phase: its expect-tx) and arms the prologue's slots
-    // before the block barrier, so every copy is issued after its slot expects its bytes.
-    if (threadIdx.x == 0) {
+  int entry[KVLoadShape<kD>::kRows];
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) mbar_init(bar0 + 8 * s, 1);
-#pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < n_tiles) mbar_expect(bar0 + 8 * s, bulk_tile_bytes<T>(p, k_begin + s * kDecodeMmaBc, k_end));
-      }
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) {
+      fetch_pages<kD>(entry, rows, k_begin + s * kDecodeMmaBc, k_end);
+      load_kv_mma<T, kD>(sK + s * S::kTile, sV + s * S::kTile, p, rows, kvh, k_begin + s * kDecodeMmaBc, k_end, entry);
     }
-    if (a.d < kD) {  // K columns past d, never copied, are zero in every slot (Q's are: 0 * garbage could be NaN)
-      const int pad = kD - a.d;
-      for (int e = threadIdx.x; e < kStages * kDecodeMmaBc * pad; e += kDecodeMmaThreads) {
-        const int r = e / pad;
-        sK[r * S::kKVPitch + a.d + (e - r * pad)] = from_float<T>(0.f);
-      }
-    }
-    __syncthreads();
-    const unsigned long long policy = l2_evict_first();
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) {
-        entry[0] = fetch_page_bulk(rows, k_begin + s * kDecodeMmaBc, k_end);
-        load_kv_bulk<T, kD>(sK + s * S::kTile, sV + s * S::kTile, bar0 + 8 * s, p, rows, kvh,
-                            k_begin + s * kDecodeMmaBc, k_end, entry[0], policy);
-      }
-    }
-    entry[0] = fetch_page_bulk(rows, k_begin + (kStages - 1) * kDecodeMmaBc, k_end);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_tiles) {
-        fetch_pages<kD>(entry, rows, k_begin + s * kDecodeMmaBc, k_end);
-        load_kv_mma<T, kD>(sK + s * S::kTile, sV + s * S::kTile, p, rows, kvh, k_begin + s * kDecodeMmaBc, k_end,
-                           entry);
-      }
-      cp_async_commit();
-    }
-    fetch_pages<kD>(entry, rows, k_begin + (kStages - 1) * kDecodeMmaBc, k_end);
+    cp_async_commit();
   }
+  fetch_pages<kD>(entry, rows, k_begin + (kStages - 1) * kDecodeMmaBc, k_end);
 
-  // Q rows of the chunk (zero past m_rows and d): few bytes, plain loads (q's rows need no alignment), unless
-  // kFastEnds copied them above.
+  // Q rows of an unaligned q: few bytes, plain loads (its rows need no alignment).
   if (!q_async) {
     for (int e = threadIdx.x; e < S::kM * kD; e += kDecodeMmaThreads) {
       const int r = e / kD, c = e - r * kD, row = m0 + r;
@@ -388,19 +232,12 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
   softmax_start(m_run, l_run, -CUDART_INF_F);  // the sink joins once, in the combine
 
   const LdmRows<kD> q_rows(rw * 16 + (lane & 15), lane >> 4);                 // A of Q K^T
-  using KVLdm = typename KVRows<kD, kBulk>::type;
-  const KVLdm k_rows((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of Q K^T
-  const KVLdm v_rows(lane & 15, lane >> 4);                            // B of P V (.trans)
+  const LdmRows<kD> k_rows((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);    // B of Q K^T
+  const LdmRows<kD> v_rows(lane & 15, lane >> 4);                              // B of P V (.trans)
   const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sV_u = smem_u32(sV);
   constexpr int kQFrags = kQInRegs ? kKS : 1;
   uint32_t qa[kQFrags][4];
-  if (q_async) {  // Q's copies have landed (ring: with tile 0, which the loop's first wait waits for anyway)
-    if constexpr (kBulk) {
-      cp_async_wait<0>();
-    } else {
-      cp_async_wait<kStages - 2>();
-    }
-  }
+  if (q_async) cp_async_wait<kStages - 2>();  // Q's copies landed (with tile 0, which the loop waits for anyway)
   __syncthreads();  // Q stored
   if constexpr (kQInRegs) {
 #pragma unroll
@@ -409,24 +246,9 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
 
   for (int t = 0; t < n_tiles; ++t) {
     const int slot = t % kStages;
-    if constexpr (kBulk) {
-      const int tp = t + kStages - 1;
-      mbar_wait(bar0 + 8 * slot, (t / kStages) & 1);  // tile t has landed (its slot's (t / kStages)-th phase)
-      // Slot tp % kStages (tile t - 1's) expects tile tp's bytes before the barrier: every thread finished
-      // waiting on its previous phase before the last barrier, and every copy into it is issued after this one.
-      if (threadIdx.x == 0 && tp < n_tiles) {
-        mbar_expect(bar0 + 8 * (tp % kStages), bulk_tile_bytes<T>(p, k_begin + tp * kDecodeMmaBc, k_end));
-      }
-      __syncthreads();  // every thread has tile t; slot t - 1 is free again
-      if (tp < n_tiles) {
-        load_kv_bulk<T, kD>(sK + (tp % kStages) * S::kTile, sV + (tp % kStages) * S::kTile,
-                            bar0 + 8 * (tp % kStages), p, rows, kvh, k_begin + tp * kDecodeMmaBc, k_end, entry[0],
-                            l2_evict_first());
-        entry[0] = fetch_page_bulk(rows, k_begin + (tp + 1) * kDecodeMmaBc, k_end);  // consumed next iteration
-      }
-    } else {
-      cp_async_wait<kStages - 2>();  // tile t has landed for this thread...
-      __syncthreads();               // ...and for every thread; slot t - 1 is free again
+    cp_async_wait<kStages - 2>();  // tile t has landed for this thread...
+    __syncthreads();               // ...and for every thread; slot t - 1 is free again
+    {
       const int tp = t + kStages - 1;
       if (tp < n_tiles) {
         load_kv_mma<T, kD>(sK + (tp % kStages) * S::kTile, sV + (tp % kStages) * S::kTile, p, rows, kvh,
@@ -505,7 +327,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       }
     }
   }
-  if constexpr (!kBulk) cp_async_wait<0>();  // (bulk: every tile queued was waited for in the loop)
+  cp_async_wait<0>();
   __syncthreads();  // every copy landed and every warp is done with the ring: it becomes the combine buffer
 
   // Each warp's partial state (O unnormalised, m in log2 units, l) into shared memory.
@@ -567,7 +389,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       if (col == 0) p.lse_part[prow] = lse;
     }
   }
-  if (gridDim.z > 1) merge_if_last<T, kD, kFastEnds ? 8 : 4>(p, b, kvh, m0, S::kM);
+  if (gridDim.z > 1) merge_if_last<T, kD, 8>(p, b, kvh, m0, S::kM);
 }
 
 }  // namespace cupyflash

@@ -82,10 +82,7 @@ def attention_with_kvcache(
             on it beyond rounding.
         kernel: the CUDA decode kernel: ``"auto"`` (tensor cores for float16/bfloat16 caches, FMA units for
             float32), ``"mma"`` (tensor cores; 16-bit dtypes only) or ``"fma"`` (the float32-arithmetic kernel,
-            any dtype: a reference point for tests and benchmarks); ``"mma_ring"``, ``"mma_ring_fast"``,
-            ``"mma_bulk"`` and ``"mma_bulk_fast"`` name the tensor-core kernel's decode v5 switches (bulk copies on
-            compute capability 9.0+, a faster start and end; the same results bit for bit), for tests and
-            benchmarks. NumPy arrays take only ``"auto"``.
+            any dtype: a reference point for tests and benchmarks). NumPy arrays take only ``"auto"``.
         validate: check the contents of cache_seqlens, block_table and cache_batch_idx (one device-to-host
             copy) and raise ValueError for an out-of-range value. Without it, values are the caller's
             contract (as in FlashAttention): out-of-range ones give wrong results but never an access outside

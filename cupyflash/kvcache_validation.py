@@ -72,10 +72,8 @@ def _int32_array(name: str, x: Any, xp: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
 
 
-#: The decode kernels attention_with_kvcache's ``kernel`` may name (kernels/decode.py, ``plan``): "mma_ring",
-#: "mma_ring_fast", "mma_bulk" and "mma_bulk_fast" name the tensor-core kernel's decode v5 switches (its A/B; "mma"
-#: takes the plan's choice).
-DECODE_KERNELS = ("auto", "mma", "fma", "mma_ring", "mma_ring_fast", "mma_bulk", "mma_bulk_fast")
+#: The decode kernels attention_with_kvcache's ``kernel`` may name (kernels/decode.py, ``plan``).
+DECODE_KERNELS = ("auto", "mma", "fma")
 
 
 def check_kvcache(

@@ -364,54 +364,6 @@ def test_kernel_choice():
     assert decode.plan(_problem(b=2, d=256, cap=4096), RTX4090).kernel == "fma"
 
 
-def test_decode_v5_flags():
-    """Decode v5's switches (kernels/decode.py MMA_FLAGS): the keywords name decode_split_mma's kFlags, "auto" and
-    "mma" keep the kernel as before (DEFAULT_FLAGS = 0: the same name, ring and shared memory); bulk copies only at
-    compute capability 9.0+, with the padded rows' shared memory and a ring that still leaves two blocks per H100 SM
-    (three stages at Nq = 1 as before, two at 64 packed rows); the split count as the ring's."""
-    from cupyflash.kernels import decode
-    from cupyflash.plans import A100, H100, RTX4090
-
-    assert decode.DEFAULT_FLAGS == 0
-    for shape in ((8, 1, 32768), (1, 1, 131072), (128, 1, 1024), (8, 16, 32768)):
-        b, nq, cap = shape
-        p = _problem(b=b, nq=nq, cap=cap, dtype="bf16")
-        base = decode.plan(p, H100)
-        assert decode.plan(p, H100, kernel="mma_ring") == base and base.flags == 0
-        assert base.decode.name.endswith("PlainScore>>")
-        for kernel, flags in decode.MMA_FLAGS.items():
-            pl = decode.plan(p, H100, kernel=kernel)
-            assert pl.flags == flags and pl.splits == base.splits and pl.decode.grid == base.decode.grid
-            tail = f", {flags}>" if flags else ">"
-            assert pl.decode.name == (f"cupyflash::decode_split_mma<__nv_bfloat16, 128, {pl.km // 16}, {pl.stages}, "
-                                      f"{p.variant.cpp_policy}{tail}")  # fmt: skip
-            bulk = bool(flags & decode.FLAG_BULK)
-            assert pl.decode.shared_bytes == decode.mma_smem_bytes(128, pl.km // 16, pl.stages, bulk)
-            assert decode.blocks_per_sm(pl.decode.shared_bytes, H100) == 2
-            assert pl.stages == (2 if bulk and nq == 16 else 3)
-    p = _problem(b=8, nq=1, cap=32768, dtype="bf16")
-    for limits in (A100, RTX4090):
-        assert decode.plan(p, limits, kernel="mma_ring_fast").flags == decode.FLAG_FAST_ENDS
-        for kernel in ("mma_bulk", "mma_bulk_fast"):
-            with pytest.raises(ValueError, match="bulk copies"):
-                decode.plan(p, limits, kernel=kernel)
-    with pytest.raises(ValueError, match="16-bit"):
-        decode.plan(_problem(dtype=np.float32), H100, kernel="mma_bulk")
-    assert decode.plan(_problem(dtype=np.float32), H100).flags == 0  # the FMA kernel has no flags
-
-
-def test_decode_v5_default_flags_follow_the_device(monkeypatch):
-    """With DEFAULT_FLAGS switched on, "auto" takes both switches on sm_90 and drops bulk copies below it."""
-    from cupyflash.kernels import decode
-    from cupyflash.plans import A100, H100
-
-    monkeypatch.setattr(decode, "DEFAULT_FLAGS", decode.FLAG_BULK | decode.FLAG_FAST_ENDS)
-    p = _problem(b=8, nq=1, cap=32768, dtype="bf16")
-    assert decode.plan(p, H100).flags == 3 and decode.plan(p, H100, kernel="mma").flags == 3
-    assert decode.plan(p, A100).flags == decode.FLAG_FAST_ENDS
-    assert decode.plan(p, H100, kernel="mma_ring").flags == 0
-
-
 def test_choose_splits_fills_a_wave():
     from cupyflash.kernels.decode import choose_splits
     from cupyflash.plans import H100
@@ -498,12 +450,10 @@ def test_mma_shared_bytes_match_cpp():
 
     from cupyflash.kernels import decode
 
-    configs = [(d, w, s, bulk) for d in (64, 128, 256) for w in decode.MMA_ROW_WARPS for s in decode.MMA_STAGES
-               for bulk in (False, True)]  # fmt: skip
-    exprs = [f"cupyflash::DecodeMmaSmem<__half, {d}, {w}, {s}, {'true' if bulk else 'false'}>::kBytes"
-             for d, w, s, bulk in configs]  # fmt: skip
+    configs = [(d, w, s) for d in (64, 128, 256) for w in decode.MMA_ROW_WARPS for s in decode.MMA_STAGES]
+    exprs = [f"cupyflash::DecodeMmaSmem<__half, {d}, {w}, {s}>::kBytes" for d, w, s in configs]
     raw = probe_values("decode.cu", exprs)
-    assert raw == [decode.mma_smem_bytes(d, w, s, bulk) for d, w, s, bulk in configs]
+    assert raw == [decode.mma_smem_bytes(d, w, s) for d, w, s in configs]
 
 
 @needs_nvrtc

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import _dtypes
-from ..kvcache_validation import DECODE_KERNELS, KVCacheProblem
+from ..kvcache_validation import KVCacheProblem
 from ..plans import DeviceLimits, LaunchPlan, blocks_by_smem, cdiv
 from . import build
 from .params import PARAMS
@@ -53,30 +53,15 @@ def smem_bytes(itemsize: int, kd: int, km: int, kbc: int) -> int:
 MMA_KEY_TILE = 64
 MMA_ROW_WARPS = (1, 2, 4)
 MMA_STAGES = (4, 3, 2)
-#: Decode v5's switches, decode_split_mma's kFlags (cuda_src/decode_mma.cuh). BULK: K/V rows arrive by
-#: cp.async.bulk (one copy per row into rows padded to kD + 8 elements, each ring slot completed by an mbarrier)
-#: instead of 16-byte cp.async copies; sm_90+ only. FAST_ENDS: Q's rows by 16-byte cp.async issued before the first
-#: K/V copies (not 2-byte loads queued behind them), and the split merge with 8 loads in flight per lane, not 4.
-#: Every combination computes the same thing in the same order (bit-identical results).
-FLAG_BULK, FLAG_FAST_ENDS = 1, 2
-#: The flags the kernel keyword names: "mma_ring" is the kernel as before v5; "auto" and "mma" take DEFAULT_FLAGS
-#: (BULK dropped below compute capability BULK_MIN_CC).
-MMA_FLAGS = {"mma_ring": 0, "mma_ring_fast": FLAG_FAST_ENDS, "mma_bulk": FLAG_BULK,
-             "mma_bulk_fast": FLAG_BULK | FLAG_FAST_ENDS}  # fmt: skip
-BULK_MIN_CC = 90
-#: The plan's default (decode v5: predicted, not yet measured; benchmarks/dev_decode_v5.py measures every variant
-#: against cuDNN): 0 keeps the kernel as it was.
-DEFAULT_FLAGS = 0
 
 
-def mma_smem_bytes(kd: int, row_warps: int, stages: int, bulk: bool = False) -> int:
-    """DecodeMmaSmem<T, kD, kRowWarps, kStages, kBulk>::kBytes (16-bit T): Q and the K/V ring, or the combine buffer
-    (each warp's 16 x (kD + 8) float32 O, m and l) that reuses them after the loop; the bulk path's K/V rows are
-    padded by 8 elements and its kStages mbarriers (8 bytes each) follow."""
-    loop = 2 * (16 * row_warps * kd + 2 * stages * MMA_KEY_TILE * (kd + 8 if bulk else kd))
+def mma_smem_bytes(kd: int, row_warps: int, stages: int) -> int:
+    """DecodeMmaSmem<T, kD, kRowWarps, kStages>::kBytes (16-bit T): Q and the K/V ring, or the combine buffer
+    (each warp's 16 x (kD + 8) float32 O, m and l) that reuses them after the loop."""
+    loop = 2 * (16 * row_warps * kd + 2 * stages * MMA_KEY_TILE * kd)
     warps = THREADS // 32
     epilogue = 4 * (warps * 16 * (kd + 8) + 2 * warps * 16)
-    return max(loop, epilogue) + (8 * stages if bulk else 0)
+    return max(loop, epilogue)
 
 
 def blocks_per_sm(shared: int, limits: DeviceLimits) -> int:
@@ -96,7 +81,6 @@ class DecodePlan:
     rotate_q: LaunchPlan | None = None
     kernel: str = "fma"  # "mma" (decode_split_mma) or "fma" (decode_split)
     stages: int = 2
-    flags: int = 0  # decode_split_mma's kFlags (decode v5: FLAG_BULK, FLAG_FAST_ENDS)
 
 
 def unsupported(p: KVCacheProblem) -> str | None:
@@ -140,30 +124,16 @@ def _tile(itemsize: int, kd: int, km: int, limits: DeviceLimits) -> tuple[int, i
                      f"memory at D = {kd}; the device allows {limits.max_shared_per_block}")
 
 
-def _mma_tile(kd: int, m_rows: int, limits: DeviceLimits, bulk: bool = False) -> tuple[int, int] | None:
+def _mma_tile(kd: int, m_rows: int, limits: DeviceLimits) -> tuple[int, int] | None:
     """(row warps, stages) of the tensor-core kernel, or None where even two stages do not fit. Rows: one 16-row
     strip up to 16 packed rows (the Nq = 1 shapes; its warps split the keys), 2 up to 32, else 4 (64-row chunks).
-    Stages: the deepest ring (4, 3, 2) with two blocks per SM, else the deepest that fits one block (the bulk
-    path's padded rows: at D = 128 three stages at Nq = 1 as the ring, two at 64 rows where the ring has three)."""
+    Stages: the deepest ring (4, 3, 2) with two blocks per SM, else the deepest that fits one block."""
     row_warps = next((w for w in MMA_ROW_WARPS if 16 * w >= m_rows), MMA_ROW_WARPS[-1])
-    fits = [s for s in MMA_STAGES if mma_smem_bytes(kd, row_warps, s, bulk) <= limits.max_shared_per_block]
+    fits = [s for s in MMA_STAGES if mma_smem_bytes(kd, row_warps, s) <= limits.max_shared_per_block]
     if not fits:
         return None
-    two = [s for s in fits if blocks_per_sm(mma_smem_bytes(kd, row_warps, s, bulk), limits) >= 2]
+    two = [s for s in fits if blocks_per_sm(mma_smem_bytes(kd, row_warps, s), limits) >= 2]
     return row_warps, (two or fits)[0]
-
-
-def mma_flags(kernel: str, limits: DeviceLimits) -> int:
-    """decode_split_mma's kFlags for a ``kernel`` keyword: those it names (MMA_FLAGS), else DEFAULT_FLAGS without
-    FLAG_BULK below compute capability BULK_MIN_CC (no bulk copies there). Raises where a keyword names bulk copies
-    on such a device."""
-    if kernel in MMA_FLAGS:
-        flags = MMA_FLAGS[kernel]
-        if flags & FLAG_BULK and limits.compute_capability < BULK_MIN_CC:
-            raise ValueError(f"kernel={kernel!r} needs bulk copies (cp.async.bulk, compute capability >= "
-                             f"{BULK_MIN_CC // 10}.0); this device has {limits.compute_capability / 10:.1f}")
-        return flags
-    return DEFAULT_FLAGS & ~FLAG_BULK if limits.compute_capability < BULK_MIN_CC else DEFAULT_FLAGS
 
 
 def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: str = "auto") -> DecodePlan:
@@ -173,30 +143,23 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: s
     of 16-bit operands, exact for these inputs); float32 caches run the FMA kernel ``decode_split``, since mma
     with float32 operands would round them (tf32) and break the float32 accuracy bound. kernel="fma" forces the
     FMA kernel for 16-bit caches too (tests and benchmarks compare the two); "mma" insists on tensor cores.
-    The tensor-core kernel's decode v5 switches (``mma_flags``): bulk copies (sm_90+) and the faster start and end,
-    both off unless DEFAULT_FLAGS turns them on; "mma_ring", "mma_ring_fast", "mma_bulk" and "mma_bulk_fast" name a
-    combination (tests and benchmarks: the four compute the same, bit for bit).
     """
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {DECODE_KERNELS}; got {kernel!r}")
+    if kernel not in ("auto", "mma", "fma"):
+        raise ValueError(f"kernel must be 'auto', 'mma' or 'fma'; got {kernel!r}")
     ctype = _dtypes.CTYPE[p.dtype]
     kd = next(x for x in HEAD_DIMS if x >= p.d)
     m_rows = p.group * p.nq
-    flags = mma_flags(kernel, limits) if kernel != "fma" else 0
-    bulk = bool(flags & FLAG_BULK)
-    mma_tile = _mma_tile(kd, m_rows, limits, bulk) if p.dtype.itemsize == 2 and kernel != "fma" else None
-    if kernel.startswith("mma") and mma_tile is None:
-        raise ValueError(f"the tensor-core decode kernel needs a 16-bit dtype and {mma_smem_bytes(kd, 1, 2, bulk)} "
-                         f"bytes of shared memory at D = {kd}; got {p.dtype}, {limits.max_shared_per_block} bytes")
+    mma_tile = _mma_tile(kd, m_rows, limits) if p.dtype.itemsize == 2 and kernel != "fma" else None
+    if kernel == "mma" and mma_tile is None:
+        raise ValueError(f"the tensor-core decode kernel needs a 16-bit dtype and {mma_smem_bytes(kd, 1, 2)} bytes "
+                         f"of shared memory at D = {kd}; got {p.dtype}, {limits.max_shared_per_block} bytes")
     if mma_tile is not None:
         row_warps, stages = mma_tile
         km, kbc = 16 * row_warps, MMA_KEY_TILE
-        shared = mma_smem_bytes(kd, row_warps, stages, bulk)
-        flag = f", {flags}" if flags else ""
-        name = f"cupyflash::decode_split_mma<{ctype}, {kd}, {row_warps}, {stages}, {p.variant.cpp_policy}{flag}>"
+        shared = mma_smem_bytes(kd, row_warps, stages)
+        name = f"cupyflash::decode_split_mma<{ctype}, {kd}, {row_warps}, {stages}, {p.variant.cpp_policy}>"
         used = "mma"
     else:
-        flags = 0
         km, kbc = _tile(p.dtype.itemsize, kd, next((x for x in ROWS if x >= m_rows), ROWS[-1]), limits)
         shared = smem_bytes(p.dtype.itemsize, kd, km, kbc)
         name = f"cupyflash::decode_split<{ctype}, {kd}, {km}, {kbc}, {p.variant.cpp_policy}>"
@@ -212,7 +175,7 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: s
     rotate = None
     if p.rotary_dim:
         rotate = LaunchPlan(SOURCE, f"cupyflash::rotate_q<{ctype}>", (p.batch, p.hq, 1), (THREADS, 1, 1), 0)
-    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append, rotate, used, stages, flags)
+    return DecodePlan(kd, km, kbc, m_chunks, splits, decode, append, rotate, used, stages)
 
 
 def merge_name(tin: np.dtype, tout: np.dtype) -> str:
@@ -224,10 +187,7 @@ def instantiations() -> list[tuple[str, str]]:
     (M <= 16 key-split warps, 2 x 2, 4 row strips), every D (Q fragments in registers up to D = 128, reloaded
     at 256) and ring depth the H100 plan picks, the variant policies (a mask; a window with the score mod) and
     both 16-bit types; the FMA kernel (float32 caches) at its smallest and largest row tiles and its 32-key D = 256
-    tile with a variant; and the append, rotary and merge kernels. Decode v5's flags: bulk copies with the fast
-    ends (kFlags = 3) at the ring depths its plan picks on an H100 (D = 128: 3 stages at one strip, 2 at four; D = 64
-    and 256 as the ring), with a mask and with a window and the score mod (built for sm_80 too, where its copies trap:
-    the plan launches them on sm_90+ only); the fast ends alone (2) and bulk copies alone (1) once each."""
+    tile with a variant; and the append, rotary and merge kernels."""
     from ..variants import Variant
 
     plain = Variant().cpp_policy
@@ -241,14 +201,6 @@ def instantiations() -> list[tuple[str, str]]:
         f"{mma}<__nv_bfloat16, 128, 1, 3, {causal}>",
         f"{mma}<__half, 64, 2, 4, {mixed}>",
         f"{mma}<__nv_bfloat16, 256, 4, 2, {mixed}>",
-        f"{mma}<__nv_bfloat16, 128, 1, 3, {plain}, 3>",
-        f"{mma}<__nv_bfloat16, 128, 4, 2, {plain}, 3>",
-        f"{mma}<__nv_bfloat16, 128, 1, 3, {causal}, 3>",
-        f"{mma}<__half, 64, 2, 4, {mixed}, 3>",
-        f"{mma}<__nv_bfloat16, 256, 4, 2, {mixed}, 3>",
-        f"{mma}<__nv_bfloat16, 128, 4, 3, {plain}, 2>",
-        f"{mma}<__nv_bfloat16, 256, 4, 2, {mixed}, 2>",
-        f"{mma}<__nv_bfloat16, 128, 1, 3, {plain}, 1>",
         f"{fma}<float, 128, 4, 64, {plain}>",
         f"{fma}<float, 128, 64, 64, {causal}>",
         f"{fma}<float, 256, 16, 32, {mixed}>",
