@@ -128,8 +128,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
     const uint32_t sKs = sK_u + slot * Bc * L::kPitch * 2;
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
-      mma_step<T>(s, [&](int mi) { return q_rows.at(sQ_u, ks, mi * 16); },
-                  [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+      if constexpr (kF32) {
+        mma_step<T>(s, [&](int mi) { return q_rows.at(sQ_u, ks, mi * 16); },
+                    [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+      } else {
+        uint32_t a[kM][4];
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], q_rows.at(sQ_u, ks, mi * 16));
+        mma_k16<T, false>(s, a, [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+      }
     }
 
     // Mask (only partial tiles), online softmax with the scale in the exponent. With dropout each strip is packed

@@ -173,14 +173,18 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 # A warp splits its A once per k8 step for all n tiles and each B pair once for all its strips, so two 16-row strips
 # per warp (kM = 2) halve the B splits per mma; that costs registers (O: kM D / 8 * 4 floats, S/P: kM Bc / 8 * 4,
 # P stays float: no packed copy). H100 figures (228 KB smem and 64K registers an SM, NVRTC 13.5):
-# - D = 32, 64: Br 128 (kM = 2), Bc 64. D = 64: 96 KB (Q 32 KB, two K/V stages 64 KB), 232-255 registers: two
-#   blocks (8 warps) an SM by both. D = 32: 48 KB, 191-216 registers: two blocks by registers.
+# - D = 64: Br 128 (kM = 2), Bc 64: 96 KB (Q 32 KB, two K/V stages 64 KB), 230-252 registers (the one-register
+#   LdmRows form; the four-register one spilled 8 B with Causal + softcap on sm_90a): two blocks (8 warps) an SM.
+# - D = 32: Br 128 (kM = 2), Bc 32: 32 KB, about 140-230 registers: two or three blocks. Bc 64 spilled 40 B with a
+#   mask and a bias (255 registers).
 # - D = 96, 128: kM = 2 spills (O alone is 96/128 registers), so one strip a warp (Br 64) with Bc 32: D = 128
-#   96 KB (Q 32 KB, K/V 64 KB), 224-245 registers, two blocks an SM; D = 96 72 KB, 199-209 registers, two.
+#   96 KB (Q 32 KB, K/V 64 KB), 224-246 registers, two blocks an SM; D = 96 72 KB, 199-223 registers, two.
+#   With dropout, D = 128 sits at 255 and spills 28 B (sm_80) / 4 B (sm_90a); Bc 16 would not (198-207 registers)
+#   but splits Q twice as often per mma: to be measured against Bc 32 (benchmarks/dev_mma_f32.py --configs).
 # D = 192/256 are left to the portable family (kernels.mma.supports): O alone would take 96-128 registers a strip
 # and a K/V stage 48-64 KB of shared memory per 64 keys.
 FORWARD_CONFIGS_F32: dict[int, ForwardConfig] = {
-    32: ForwardConfig(32, br=128, bc=64, warps=4, elem=4),
+    32: ForwardConfig(32, br=128, bc=32, warps=4, elem=4),
     64: ForwardConfig(64, br=128, bc=64, warps=4, elem=4),
     96: ForwardConfig(96, br=64, bc=32, warps=4, elem=4),
     128: ForwardConfig(128, br=64, bc=32, warps=4, elem=4),
