@@ -1,7 +1,7 @@
 // FlashAttention-2 forward on tensor cores (sm_80+): mma.sync fed by ldmatrix, K_j/V_j streamed through a
 // kStages-deep cp.async ring, softmax in registers. fp16/bf16 run m16n8k16; float32 runs every product as 3xTF32
 // m16n8k8 (mma_tf32.cuh) on tiles of twice the bytes, with the same C fragments, so masking, softmax, dropout and
-// the epilogue are shared: only the operand loads and the products differ (mma_step, and P V below).
+// the epilogue are shared: only the operand loads and the products differ (mma_step_tf32, mma_pv_tf32).
 //
 // Block = one Q_i tile of Br rows of one (batch, query head), last query tiles first so that causal
 // blocks with the most key tiles start early.
@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
       if constexpr (kF32) {
-        mma_step<T>(s, [&](int mi) { return q_rows.at(sQ_u, ks, mi * 16); },
-                    [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+        mma_step_tf32(s, [&](int mi) { return q_rows.at(sQ_u, ks, mi * 16); },
+                      [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
       } else {
         uint32_t a[kM][4];
 #pragma unroll

@@ -141,32 +141,27 @@ struct KPairRows {
 
 // ------------------------------------------------------------------------------ products of the kernels
 
-// One 32-byte step of the contraction (k16 of a 16-bit T, k8 of float) of a warp's tile, acc[m][n] += A_m B_n,
-// with both operands read by ldmatrix from tiles whose stored rows are M and N (Q and K in Q K^T): a_addr(m) the
-// address of A strip m, b_addr(n2) that of B's n8 fragments 2 n2 and 2 n2 + 1 (LdmRows<width in 16-bit units>).
-// float: each strip's A is split once for all kN n tiles, each B fragment pair once for all kM strips.
-template <typename T, int kM, int kN, typename AAddr, typename BAddr>
-__device__ __forceinline__ void mma_step(float (&acc)[kM][kN][4], AAddr a_addr, BAddr b_addr) {
-  uint32_t a[kM][4];
+// One k8 step of a warp's tile in float32, acc[m][n] += A_m B_n, with both operands read by ldmatrix from float tiles
+// whose stored rows are M and N (Q and K in Q K^T): a_addr(m) the address of A strip m, b_addr(n2) that of B's n8
+// fragments 2 n2 and 2 n2 + 1 (LdmRows<2 D>, as for a 16-bit k16 step). Each strip's A is split once for all kN n
+// tiles, each B fragment pair once for all kM strips.
+template <int kM, int kN, typename AAddr, typename BAddr>
+__device__ __forceinline__ void mma_step_tf32(float (&acc)[kM][kN][4], AAddr a_addr, BAddr b_addr) {
+  static_assert(kN % 2 == 0, "B fragments come in pairs");
+  uint32_t a[kM][4], a_hi[kM][4], a_lo[kM][4];
 #pragma unroll
   for (int m = 0; m < kM; ++m) ldmatrix_x4(a[m], a_addr(m));
-  if constexpr (!is_same_v<T, float>) {
-    mma_k16<T, false>(acc, a, b_addr);
-  } else {
-    static_assert(kN % 2 == 0, "B fragments come in pairs");
-    uint32_t a_hi[kM][4], a_lo[kM][4];
 #pragma unroll
-    for (int m = 0; m < kM; ++m) split_frag(a_hi[m], a_lo[m], a[m]);
+  for (int m = 0; m < kM; ++m) split_frag(a_hi[m], a_lo[m], a[m]);
 #pragma unroll
-    for (int n2 = 0; n2 < kN / 2; ++n2) {
-      uint32_t b[4], b_hi[4], b_lo[4];
-      ldmatrix_x4(b, b_addr(n2));
-      split_frag(b_hi, b_lo, b);
+  for (int n2 = 0; n2 < kN / 2; ++n2) {
+    uint32_t b[4], b_hi[4], b_lo[4];
+    ldmatrix_x4(b, b_addr(n2));
+    split_frag(b_hi, b_lo, b);
 #pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        mma_3xtf32(acc[m][2 * n2], a_hi[m], a_lo[m], Tf32Pair{b_hi[0], b_lo[0]}, Tf32Pair{b_hi[1], b_lo[1]});
-        mma_3xtf32(acc[m][2 * n2 + 1], a_hi[m], a_lo[m], Tf32Pair{b_hi[2], b_lo[2]}, Tf32Pair{b_hi[3], b_lo[3]});
-      }
+    for (int m = 0; m < kM; ++m) {
+      mma_3xtf32(acc[m][2 * n2], a_hi[m], a_lo[m], Tf32Pair{b_hi[0], b_lo[0]}, Tf32Pair{b_hi[1], b_lo[1]});
+      mma_3xtf32(acc[m][2 * n2 + 1], a_hi[m], a_lo[m], Tf32Pair{b_hi[2], b_lo[2]}, Tf32Pair{b_hi[3], b_lo[3]});
     }
   }
 }
