@@ -221,6 +221,8 @@ def test_supports_float32_up_to_d128():
     for d in (136, 192, 256):
         assert "D <= 128" in family.supports(problem(d=d, dtype=f32), H100)
     assert family.supports(problem(d=60, dtype=f32), H100) is not None  # D % 8
+    flex = AttentionProblem((2,), 8, 2, 100, 100, 64, np.dtype(f32), Variant(flex=object()), 0.125, "cupy")
+    assert "mask_mod/score_mod" in family.supports(flex, H100)
     assert family.supports(problem(dtype=f32), T4) is not None
 
 
@@ -228,14 +230,23 @@ def test_auto_leaves_float32_to_portable_until_the_backward_lands():
     from cupyflash.kernels import dispatch
 
     f32 = problem(dtype=_dtypes.FLOAT32)
-    assert family.AUTO_FLOAT32 is False  # the flip: True, once the float32 backward is on this family too
-    assert dispatch.select(f32, H100).NAME == "portable"
+    # kernels.mma.AUTO_FLOAT32 (the flip: True, once the float32 backward is on this family too)
+    assert dispatch.select(f32, H100).NAME == ("mma" if family.AUTO_FLOAT32 else "portable")
     assert dispatch.select(f32, A100, "mma").NAME == "mma"
     assert dispatch.select(problem(), A100).NAME == "mma"  # 16-bit: unchanged
     with pytest.raises(TypeError, match="float32 on tensor cores needs D <= 128"):
         dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100, "mma")
     with pytest.raises(TypeError, match="no float32 backward"):
         family.backward_plan(f32, None, H100)
+
+
+def test_the_float32_flip_is_one_flag(monkeypatch):
+    from cupyflash.kernels import dispatch
+
+    monkeypatch.setattr(family, "AUTO_FLOAT32", True)
+    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), H100).NAME == "mma"
+    assert dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100).NAME == "portable"
+    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), T4).NAME == "portable"
 
 
 def test_instantiations_cover_every_config_once():

@@ -35,6 +35,8 @@ def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
         return f"needs a head dim that is a multiple of 8 (got D={p.d})"
     if f32 and p.d > plans.MAX_D_F32:
         return f"float32 on tensor cores needs D <= {plans.MAX_D_F32} (got D={p.d})"
+    if f32 and p.variant.flex is not None:  # NVRTC 13.5: D = 64 with a block mask and a score_mod spilled 328 B
+        return "runs mask_mod/score_mod snippets in float16/bfloat16 only (the float32 forward at 255 registers spills)"
     if plans.forward_config(p.d, limits, 4 if f32 else 2) is None or plans.backward_config(p.d, limits) is None:
         return f"has no tile configuration for D={p.d} within {limits.max_shared_per_block} B of shared memory"
     return None
