@@ -181,6 +181,8 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 #   96 KB (Q 32 KB, K/V 64 KB), 224-246 registers, two blocks an SM; D = 96 72 KB, 199-223 registers, two.
 #   With dropout, D = 128 sits at 255 and spills 28 B (sm_80) / 4 B (sm_90a); Bc 16 would not (198-207 registers)
 #   but splits Q twice as often per mma: to be measured against Bc 32 (benchmarks/dev_mma_f32.py --configs).
+# Mask/bias arrays (ArrayScore) spill 12-52 B at D = 64, 96, 128 (255 registers), as the 16-bit forwards do
+# (tests/test_compile.py's ARRAY_SPILL_ALLOWANCE); the built-in policies are spill-free on sm_80/86/89/90a.
 # D = 192/256 are left to the portable family (kernels.mma.supports): O alone would take 96-128 registers a strip
 # and a K/V stage 48-64 KB of shared memory per 64 keys.
 FORWARD_CONFIGS_F32: dict[int, ForwardConfig] = {
