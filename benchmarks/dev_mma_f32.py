@@ -32,9 +32,8 @@ def alternatives() -> dict[int, list]:
     from cupyflash.plans.mma import ForwardConfig as C
 
     return {
-        64: [C(64, br=64, bc=64, warps=4, elem=4), C(64, br=128, bc=32, warps=4, elem=4),
-             C(64, br=128, bc=64, warps=8, elem=4)],
-        128: [C(128, br=64, bc=16, warps=4, elem=4), C(128, br=128, bc=32, warps=8, elem=4)],
+        64: [C(64, br=64, bc=64, warps=4, elem=4), C(64, br=128, bc=32, warps=8, elem=4)],
+        128: [C(128, br=64, bc=32, warps=4, elem=4), C(128, br=128, bc=16, warps=8, elem=4)],
     }  # fmt: skip
 
 

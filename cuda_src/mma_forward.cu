@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
     // as soon as it is done (P as A fragments: half the registers while the next strip draws). float keeps P in s
     // (its A operand is split per k8 step of P V).
     uint32_t pa[kM][kF32 ? 1 : Bc / 16][4];
+    float alpha_f32[kM][2];  // float: O's rescale waits for this tile's P V (below)
 #pragma unroll
     for (int mi = 0; mi < kM; ++mi) {
       const int row0 = q0 + row_w + mi * 16;
@@ -153,12 +154,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
       // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
       if constexpr (Policy::Dropout::kOn)
         dropout_zero<kNT, false>(s[mi], dropout_bits<kNT, false>(row0, j0, pol.dropout));
+      if constexpr (kF32) {
+        alpha_f32[mi][0] = alpha[0];
+        alpha_f32[mi][1] = alpha[1];
+      } else {
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[mi][n][0] *= alpha[0];
-        acc[mi][n][1] *= alpha[0];
-        acc[mi][n][2] *= alpha[1];
-        acc[mi][n][3] *= alpha[1];
+        for (int n = 0; n < D / 8; ++n) {
+          acc[mi][n][0] *= alpha[0];
+          acc[mi][n][1] *= alpha[0];
+          acc[mi][n][2] *= alpha[1];
+          acc[mi][n][3] *= alpha[1];
+        }
       }
       if constexpr (Policy::Dropout::kOn && !kF32) pack_a<T>(pa[mi], s[mi]);
     }
@@ -178,7 +184,27 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
     // O += P V_j.
     const uint32_t sVs = sV_u + slot * Bc * L::kPitch * 2;
     if constexpr (kF32) {
-      mma_pv_tf32<D>(acc, s, sVs, KPairRows<D>());
+      // This tile's P V in a fresh accumulator, folded into O with the rescale in one FFMA (round to nearest): the
+      // tensor cores truncate what they add to an accumulator, and summed there over thousands of keys O drifts
+      // with N (measured 2.9e-5 relative at N = 4096 when P V went straight into O; benchmarks/NOTES.md).
+      float pv[kM][D / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pv[mi][n][e] = 0.f;
+        }
+      }
+      mma_pv_tf32<D>(pv, s, sVs, KPairRows<D>());
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mi][n][e] = fmaf(acc[mi][n][e], alpha_f32[mi][e >> 1], pv[mi][n][e]);
+        }
+      }
     } else {
 #pragma unroll
       for (int kk = 0; kk < Bc / 16; ++kk) {

@@ -169,27 +169,25 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 }
 
 # float32 (3xTF32, elem = 4): every tile is twice the bytes of the 16-bit one, and each product is three m16n8k8 mma
-# on hi/lo parts split in registers (mma_tf32.cuh): 1/6 of the 16-bit tensor rate, plus 2 cvt + 1 FADD per split.
-# A warp splits its A once per k8 step for all n tiles and each B pair once for all its strips, so two 16-row strips
-# per warp (kM = 2) halve the B splits per mma; that costs registers (O: kM D / 8 * 4 floats, S/P: kM Bc / 8 * 4,
-# P stays float: no packed copy). H100 figures (228 KB smem and 64K registers an SM, NVRTC 13.5):
-# - D = 64: Br 128 (kM = 2), Bc 64: 96 KB (Q 32 KB, two K/V stages 64 KB), 230-252 registers (the one-register
-#   LdmRows form; the four-register one spilled 8 B with Causal + softcap on sm_90a): two blocks (8 warps) an SM.
-# - D = 32: Br 128 (kM = 2), Bc 32: 32 KB, about 140-230 registers: two or three blocks. Bc 64 spilled 40 B with a
-#   mask and a bias (255 registers).
-# - D = 96, 128: kM = 2 spills (O alone is 96/128 registers), so one strip a warp (Br 64) with Bc 32: D = 128
-#   96 KB (Q 32 KB, K/V 64 KB), 224-246 registers, two blocks an SM; D = 96 72 KB, 199-223 registers, two.
-#   With dropout, D = 128 sits at 255 and spills 28 B (sm_80) / 4 B (sm_90a); Bc 16 would not (198-207 registers)
-#   but splits Q twice as often per mma: to be measured against Bc 32 (benchmarks/dev_mma_f32.py --configs).
-# Mask/bias arrays (ArrayScore) spill 12-52 B at D = 64, 96, 128 (255 registers), as the 16-bit forwards do
-# (tests/test_compile.py's ARRAY_SPILL_ALLOWANCE); the built-in policies are spill-free on sm_80/86/89/90a.
-# D = 192/256 are left to the portable family (kernels.mma.supports): O alone would take 96-128 registers a strip
-# and a K/V stage 48-64 KB of shared memory per 64 keys.
+# on hi/lo parts split in registers (mma_tf32.cuh). Each key tile's P V goes to a fresh accumulator that joins O in
+# the rescale's FFMA (mma_forward.cu: the tensor cores' accumulation truncates, and straight into O over N = 4096 keys
+# it drifted 2.9e-5 relative, over the 1e-5 bound; now ~1e-6), so a strip holds O and P V: 2 D / 8 * 4 floats. So one
+# 16-row strip a warp (kM = 1) and 8 warps (Br = 128) at every D. NVRTC 13.5 registers, built-in policies, sm_80 /
+# sm_90a: D = 32 (Bc 64) 150-236, D = 64 (Bc 64) 186-204, D = 96 (Bc 32) 215-251, D = 128 (Bc 32) 234-255, no
+# spill; mask + bias arrays at 255 with 4-52 B (the 16-bit forwards' array allowance). One block an SM (256 threads
+# at <= 255 registers: at most 64K / 256). Measured on an H100 against two strips a warp at D = 64 (which spill
+# with the fresh accumulator) and one strip of 4 warps: benchmarks/NOTES.md, "float32 on tensor cores".
+# D = 192/256 are left to the portable family (kernels.mma.supports): O and P V alone would take 192-256 registers.
 FORWARD_CONFIGS_F32: dict[int, ForwardConfig] = {
-    32: ForwardConfig(32, br=128, bc=32, warps=4, elem=4),
-    64: ForwardConfig(64, br=128, bc=64, warps=4, elem=4),
-    96: ForwardConfig(96, br=64, bc=32, warps=4, elem=4),
-    128: ForwardConfig(128, br=64, bc=32, warps=4, elem=4),
+    32: ForwardConfig(32, br=128, bc=64, warps=8, elem=4),
+    64: ForwardConfig(64, br=128, bc=64, warps=8, elem=4),
+    96: ForwardConfig(96, br=128, bc=32, warps=8, elem=4),
+    128: ForwardConfig(128, br=128, bc=32, warps=8, elem=4),
+}
+# Where shared memory is short of the table (sm_86/sm_89: 99 KB a block; D = 128 takes 128 KB): Bc 16 (96 KB,
+# 219-229 registers on sm_86), built so that float32 runs wherever the 16-bit forward does, not tuned.
+FORWARD_FALLBACKS_F32: dict[int, tuple[ForwardConfig, ...]] = {
+    128: (ForwardConfig(128, br=128, bc=16, warps=8, elem=4),),
 }
 
 #: The largest head dim the float32 forward takes (FORWARD_CONFIGS_F32).
@@ -235,8 +233,11 @@ def forward_config(d: int, limits: DeviceLimits, elem: int = _ELEM) -> ForwardCo
     pd = padded_head_dim(d)
     if pd is None:
         return None
-    cfg = (FORWARD_CONFIGS_F32 if elem == 4 else FORWARD_CONFIGS).get(pd)
-    return cfg if cfg is not None and cfg.shared_bytes <= limits.max_shared_per_block else None
+    if elem != 4:
+        cfg = FORWARD_CONFIGS[pd]
+        return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+    tried = (FORWARD_CONFIGS_F32[pd], *FORWARD_FALLBACKS_F32.get(pd, ())) if pd in FORWARD_CONFIGS_F32 else ()
+    return next((c for c in tried if c.shared_bytes <= limits.max_shared_per_block), None)
 
 
 def backward_config(d: int, limits: DeviceLimits) -> AnyBackwardConfig | None:
@@ -316,4 +317,5 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
     if f32:
         for pol in (v.cpp_policy for v in variants):
             out += [(FORWARD_SOURCE, c.name("float", pol)) for c in FORWARD_CONFIGS_F32.values()]
+            out += [(FORWARD_SOURCE, c.name("float", pol)) for cs in FORWARD_FALLBACKS_F32.values() for c in cs]
     return out
