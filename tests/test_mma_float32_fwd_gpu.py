@@ -5,7 +5,7 @@ Each case runs on fresh random inputs into NaN-poisoned o and lse (the entry poi
 outputs through a poisoned memory pool) and asks (DESIGN.md 4):
 
 - o: relative error ||o - o_ref|| / ||o_ref|| <= 1e-5;
-- lse: -inf exactly where the reference has it, elsewhere a relative error <= 1e-5 and within rtol 1e-5;
+- lse: -inf exactly where the reference has it, elsewhere within rtol 1e-5 and atol 1e-5 elementwise;
 - rows that see no key: o = 0.
 
 The cases are chosen to need few kernels (each is an NVRTC compile of several seconds): the plain and causal
@@ -72,9 +72,9 @@ def assert_forward_close(o, lse, ro, rlse, keyless=None):
     masked = np.isneginf(rlse)
     np.testing.assert_array_equal(np.isneginf(lse), masked)
     if (~masked).any():
+        # Elementwise, as tests/test_gpu_attention.py: a norm-relative bound is ill-conditioned where lse is near 0
+        # (one key: lse is that key's score; measured 3e-7 off at lse = 0.0187).
         np.testing.assert_allclose(lse[~masked], rlse[~masked], rtol=TOL, atol=TOL)
-        e = rel_err(lse[~masked], rlse[~masked])
-        assert e <= TOL, f"lse: rel err {e:.3g}"
     e = rel_err(o, ro)
     assert e <= TOL, f"o: rel err {e:.3g}"
     if keyless is not None and keyless.any():
