@@ -1,5 +1,7 @@
-// FlashAttention-2 forward on tensor cores (sm_80+, fp16/bf16): mma.sync m16n8k16 fed by ldmatrix,
-// K_j/V_j streamed through a kStages-deep cp.async ring, softmax in registers.
+// FlashAttention-2 forward on tensor cores (sm_80+): mma.sync fed by ldmatrix, K_j/V_j streamed through a
+// kStages-deep cp.async ring, softmax in registers. fp16/bf16 run m16n8k16; float32 runs every product as 3xTF32
+// m16n8k8 (mma_tf32.cuh) on tiles of twice the bytes, with the same C fragments, so masking, softmax, dropout and
+// the epilogue are shared: only the operand loads and the products differ (mma_step_tf32, mma_pv_tf32).
 //
 // Block = one Q_i tile of Br rows of one (batch, query head), last query tiles first so that causal
 // blocks with the most key tiles start early.
@@ -8,6 +10,7 @@
 // never stored).
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
+#include "mma_tf32.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
@@ -17,15 +20,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   constexpr int kThreads = kWarps * 32;
   constexpr int kM = Br / (16 * kWarps);  // m16 strips per warp
   constexpr int kNT = Bc / 8;             // n8 tiles of S per strip
-  constexpr int kKS = D / 16;             // k16 steps over the head dim
+  constexpr bool kF32 = is_same_v<T, float>;
+  constexpr int kW = kF32 ? 2 * D : D;    // a tile row in 16-bit units (float: FloatTile<D>)
+  constexpr int kKS = kW / 16;            // 32-byte steps over the head dim: k16 (16-bit), k8 (float)
   static_assert(Br % (16 * kWarps) == 0 && Bc % 16 == 0 && D % 16 == 0, "tile shape");
   static_assert(kStages >= 2, "the ring needs a slot to fill while another is read");
-  using L = TileLayout<D>;
+  using L = TileLayout<kW>;
+  constexpr int kPitch = L::kPitch * 2 / static_cast<int>(sizeof(T));  // elements of T per smem row
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + Br * L::kPitch;
-  T* sV = sK + kStages * Bc * L::kPitch;
+  T* sK = sQ + Br * kPitch;
+  T* sV = sK + kStages * Bc * kPitch;
 
   const TileCoord tc = query_tile_coord(p, Br);
   const int b = tc.bh / p.hq;
@@ -52,10 +58,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   const int n_tiles = kt.end - kt.begin;
   auto load_kv = [&](int t, int slot) {
     const int j0 = (kt.end - 1 - t) * Bc;
-    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * L::kPitch, gK + j0 * p.k_s.n, p.k_s.n, seq.nk - j0,
+    load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * kPitch, gK + j0 * p.k_s.n, p.k_s.n, seq.nk - j0,
                                         p.d, threadIdx.x);
     cp_async_commit();
-    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * L::kPitch, gV + j0 * p.v_s.n, p.v_s.n, seq.nk - j0,
+    load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * kPitch, gV + j0 * p.v_s.n, p.v_s.n, seq.nk - j0,
                                         p.d, threadIdx.x);
     cp_async_commit();
   };
@@ -84,9 +90,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   }
 
   const int row_w = warp * 16 * kM;  // first row of this warp inside Q_i
-  const LdmRows<D> q_rows(row_w + (lane & 15), lane >> 4);                  // A of Q K^T
-  const LdmRows<D> k_rows((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);   // B of Q K^T
-  const LdmRows<D> v_rows(lane & 15, lane >> 4);                             // B of P V (.trans)
+  // (float: the one-register XOR form of the row addresses, which keeps the D = 64 kernels off the stack)
+  const LdmRows<kW, kF32> q_rows(row_w + (lane & 15), lane >> 4);                 // A of Q K^T
+  const LdmRows<kW, kF32> k_rows((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of Q K^T
+  const LdmRows<kW> v_rows(lane & 15, lane >> 4);                            // B of P V (.trans; 16-bit only)
   const uint32_t sQ_u = smem_u32(sQ);
   const uint32_t sK_u = smem_u32(sK);
   const uint32_t sV_u = smem_u32(sV);
@@ -121,37 +128,49 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
     const uint32_t sKs = sK_u + slot * Bc * L::kPitch * 2;
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
-      uint32_t a[kM][4];
+      if constexpr (kF32) {
+        mma_step_tf32(s, [&](int mi) { return q_rows.at(sQ_u, ks, mi * 16); },
+                      [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+      } else {
+        uint32_t a[kM][4];
 #pragma unroll
-      for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], q_rows.at(sQ_u, ks, mi * 16));
-      mma_k16<T, false>(s, a, [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+        for (int mi = 0; mi < kM; ++mi) ldmatrix_x4(a[mi], q_rows.at(sQ_u, ks, mi * 16));
+        mma_k16<T, false>(s, a, [&](int n2) { return k_rows.at(sKs, ks, n2 * 16); });
+      }
     }
 
     // Mask (only partial tiles), online softmax with the scale in the exponent. With dropout each strip is packed
-    // as soon as it is done (P as A fragments: half the registers while the next strip draws).
-    uint32_t pa[kM][Bc / 16][4];
+    // as soon as it is done (P as A fragments: half the registers while the next strip draws). float keeps P in s
+    // (its A operand is split per k8 step of P V).
+    uint32_t pa[kM][kF32 ? 1 : Bc / 16][4];
+    float alpha_f32[kM][2];  // float: O's rescale waits for this tile's P V (below)
 #pragma unroll
     for (int mi = 0; mi < kM; ++mi) {
       const int row0 = q0 + row_w + mi * 16;
-      const float c = score_strip<kNT>(s[mi], row0, j0, pol.score, p.scale_log2);
+      const float c = score_strip<kNT, false, !kF32>(s[mi], row0, j0, pol.score, p.scale_log2);
       if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s[mi], row0, j0, pol.mask);
       float alpha[2];
       online_softmax<kNT>(s[mi], c, m_run[mi], l_run[mi], alpha);
       // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
       if constexpr (Policy::Dropout::kOn)
         dropout_zero<kNT, false>(s[mi], dropout_bits<kNT, false>(row0, j0, pol.dropout));
+      if constexpr (kF32) {
+        alpha_f32[mi][0] = alpha[0];
+        alpha_f32[mi][1] = alpha[1];
+      } else {
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[mi][n][0] *= alpha[0];
-        acc[mi][n][1] *= alpha[0];
-        acc[mi][n][2] *= alpha[1];
-        acc[mi][n][3] *= alpha[1];
+        for (int n = 0; n < D / 8; ++n) {
+          acc[mi][n][0] *= alpha[0];
+          acc[mi][n][1] *= alpha[0];
+          acc[mi][n][2] *= alpha[1];
+          acc[mi][n][3] *= alpha[1];
+        }
       }
-      if constexpr (Policy::Dropout::kOn) pack_a<T>(pa[mi], s[mi]);
+      if constexpr (Policy::Dropout::kOn && !kF32) pack_a<T>(pa[mi], s[mi]);
     }
 
     // P as A fragments: C tiles 2kk and 2kk+1 form the k16 block kk.
-    if constexpr (!Policy::Dropout::kOn) {
+    if constexpr (!Policy::Dropout::kOn && !kF32) {
 #pragma unroll
       for (int mi = 0; mi < kM; ++mi) pack_a<T>(pa[mi], s[mi]);
     }
@@ -164,16 +183,40 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
 
     // O += P V_j.
     const uint32_t sVs = sV_u + slot * Bc * L::kPitch * 2;
+    if constexpr (kF32) {
+      // This tile's P V in a fresh accumulator, folded into O with the rescale in one FFMA (round to nearest): the
+      // tensor cores truncate what they add to an accumulator, and summed there over thousands of keys O drifts
+      // with N (measured 2.9e-5 relative at N = 4096 when P V went straight into O; benchmarks/NOTES.md).
+      float pv[kM][D / 8][4];
 #pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk) {
+      for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-      for (int n2 = 0; n2 < D / 16; ++n2) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_rows.at(sVs, n2, kk * 16));
+        for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-          mma_16816<T>(acc[mi][2 * n2], pa[mi][kk], bv[0], bv[1]);
-          mma_16816<T>(acc[mi][2 * n2 + 1], pa[mi][kk], bv[2], bv[3]);
+          for (int e = 0; e < 4; ++e) pv[mi][n][e] = 0.f;
+        }
+      }
+      mma_pv_tf32<D>(pv, s, sVs, KPairRows<D>());
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mi][n][e] = fmaf(acc[mi][n][e], alpha_f32[mi][e >> 1], pv[mi][n][e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < Bc / 16; ++kk) {
+#pragma unroll
+        for (int n2 = 0; n2 < D / 16; ++n2) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, v_rows.at(sVs, n2, kk * 16));
+#pragma unroll
+          for (int mi = 0; mi < kM; ++mi) {
+            mma_16816<T>(acc[mi][2 * n2], pa[mi][kk], bv[0], bv[1]);
+            mma_16816<T>(acc[mi][2 * n2 + 1], pa[mi][kk], bv[2], bv[3]);
+          }
         }
       }
     }

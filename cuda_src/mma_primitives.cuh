@@ -218,12 +218,10 @@ __device__ __forceinline__ int opaque(int x) {
   return y;
 }
 
-// Cooperative async load of a ROWS x D tile (D a padded head dim) from a row-strided global array.
-// Rows at or past rows_valid and columns at or past d_valid are zero-filled. The source pointer
-// stays inside the array even for zero-fill copies (rows_valid >= 1 is required). tid: threadIdx.x.
+// load_tile_async (below) of a 16-bit tile.
 template <typename T, int D, int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row_stride, int rows_valid,
-                                                int d_valid, int tid) {
+__device__ __forceinline__ void load_tile_16(T* smem, const T* g, int64_t row_stride, int rows_valid, int d_valid,
+                                             int tid) {
   using L = TileLayout<D>;
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
@@ -262,6 +260,22 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row
   }
 }
 
+// Cooperative async load of a ROWS x D tile (D a padded head dim) from a row-strided global array.
+// Rows at or past rows_valid and columns at or past d_valid are zero-filled. The source pointer
+// stays inside the array even for zero-fill copies (rows_valid >= 1 is required). tid: threadIdx.x.
+// A float tile is the 16-bit tile of 2 D columns over the same bytes (mma_tf32.cuh's FloatTile): its rows, strides
+// and valid columns are counted in 16-bit units, and each 16-byte chunk (4 floats) is copied as it is.
+template <typename T, int D, int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* g, int64_t row_stride, int rows_valid,
+                                                int d_valid, int tid) {
+  if constexpr (is_same_v<T, float>) {
+    load_tile_16<__half, 2 * D, ROWS, NTHREADS>(reinterpret_cast<__half*>(smem), reinterpret_cast<const __half*>(g),
+                                               2 * row_stride, rows_valid, 2 * d_valid, tid);
+  } else {
+    load_tile_16<T, D, ROWS, NTHREADS>(smem, g, row_stride, rows_valid, d_valid, tid);
+  }
+}
+
 // Reductions over the 4 lanes (t = 0..3) that share a fragment row.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -289,10 +303,14 @@ __device__ __forceinline__ void red_add2(float* dst, float x, float y) {
 #endif
 }
 
-// Store two adjacent output elements (4 bytes) of type T from floats.
+// Store two adjacent output elements of type T (4 bytes, float: 8) from floats.
 template <typename T>
 __device__ __forceinline__ void store2(T* dst, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
+  if constexpr (is_same_v<T, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);  // 8 bytes: dst's column is even
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
+  }
 }
 
 }  // namespace mma

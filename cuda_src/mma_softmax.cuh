@@ -198,8 +198,9 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
 
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
-// 1 once a score policy has produced log2 units itself.
-template <int NT, bool kKeyRows = false, class Score>
+// 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
+// 16-bit rounding); float32 kernels take the accurate ones.
+template <int NT, bool kKeyRows = false, bool kFast = true, class Score>
 __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
                                              float scale_log2) {
   if constexpr (Score::kIdentity) {
@@ -207,16 +208,16 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
   } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
     if (score.softcapped())
       score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
-        return score.template log2_score_as<true, true>(r, q, k);
+        return score.template log2_score_as<kFast, true>(r, q, k);
       });
     else
       score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
-        return score.template log2_score_as<true, false>(r, q, k);
+        return score.template log2_score_as<kFast, false>(r, q, k);
       });
     return 1.f;
   } else {
     score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
-      return score.template log2_score<true>(r, q, k);
+      return score.template log2_score<kFast>(r, q, k);
     });
     return 1.f;
   }

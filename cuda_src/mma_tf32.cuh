@@ -112,5 +112,81 @@ __device__ __forceinline__ void ld_kpair_tf32(Tf32Pair& x0, Tf32Pair& x1, uint32
   x1 = split_tf32(lds_f32(base + F::byte_of(r + 1, c)));
 }
 
+// ld_kpair_tf32's reads with the lane's part of each address computed once (a kernel's loop form). In a swizzled
+// FloatTile (D % 32 == 0) the float at (row r, column c) is at byte r P + 16 ((c / 4) ^ (r % 8)) + 4 (c % 4) of its
+// 128-byte group (c / 4) / 8 (P: the row pitch, a multiple of 128). For row r = row0 + 2t + e (row0 % 8 == 0) and
+// column c = 8n + g that is row0 P + 128 (n / 4) + [(2t + e) P + 32 t + 16 ((g / 4) ^ e) + 4 (g % 4)] ^ 32 (n % 4):
+// the bracket is the lane's (one register per e), its bits 5-6 (= t) meet n's in one XOR, the rest is immediate.
+template <int D>
+struct KPairRows {
+  using F = FloatTile<D>;
+  static_assert(F::L::kSwizzle, "a swizzled float tile (D % 32 == 0)");
+  uint32_t off[2];
+  __device__ __forceinline__ KPairRows() {
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    const int t = lane & 3, g = lane >> 2;
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      off[e] = static_cast<uint32_t>((2 * t + e) * F::kPitchBytes + 32 * t + 16 * ((g >> 2) ^ e) + 4 * (g & 3));
+  }
+  // ld_kpair_tf32(x0, x1, base, row0, col0) for a 128-byte aligned tile base.
+  __device__ __forceinline__ void load(Tf32Pair& x0, Tf32Pair& x1, uint32_t base, int row0, int col0) const {
+    const int n = col0 >> 3;
+    const uint32_t imm = static_cast<uint32_t>(row0 * F::kPitchBytes + 128 * (n >> 2));
+    const uint32_t swz = static_cast<uint32_t>(32 * (n & 3));
+    x0 = split_tf32(lds_f32(((base + off[0]) ^ swz) + imm));
+    x1 = split_tf32(lds_f32(((base + off[1]) ^ swz) + imm));
+  }
+};
+
+// ------------------------------------------------------------------------------ products of the kernels
+
+// One k8 step of a warp's tile in float32, acc[m][n] += A_m B_n, with both operands read by ldmatrix from float tiles
+// whose stored rows are M and N (Q and K in Q K^T): a_addr(m) the address of A strip m, b_addr(n2) that of B's n8
+// fragments 2 n2 and 2 n2 + 1 (LdmRows<2 D>, as for a 16-bit k16 step). Each strip's A is split once for all kN n
+// tiles, each B fragment pair once for all kM strips.
+template <int kM, int kN, typename AAddr, typename BAddr>
+__device__ __forceinline__ void mma_step_tf32(float (&acc)[kM][kN][4], AAddr a_addr, BAddr b_addr) {
+  static_assert(kN % 2 == 0, "B fragments come in pairs");
+  uint32_t a[kM][4], a_hi[kM][4], a_lo[kM][4];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) ldmatrix_x4(a[m], a_addr(m));
+#pragma unroll
+  for (int m = 0; m < kM; ++m) split_frag(a_hi[m], a_lo[m], a[m]);
+#pragma unroll
+  for (int n2 = 0; n2 < kN / 2; ++n2) {
+    uint32_t b[4], b_hi[4], b_lo[4];
+    ldmatrix_x4(b, b_addr(n2));
+    split_frag(b_hi, b_lo, b);
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      mma_3xtf32(acc[m][2 * n2], a_hi[m], a_lo[m], Tf32Pair{b_hi[0], b_lo[0]}, Tf32Pair{b_hi[1], b_lo[1]});
+      mma_3xtf32(acc[m][2 * n2 + 1], a_hi[m], a_lo[m], Tf32Pair{b_hi[2], b_lo[2]}, Tf32Pair{b_hi[3], b_lo[3]});
+    }
+  }
+}
+
+// O += P V over one key tile in float32: P the warp's kM C strips of kNT n8 tiles (the keys), V the tile's
+// FloatTile<D> at v_base (stored rows are the keys, the contraction index; 128-byte aligned). Per k8 step each
+// strip's A is split once (pack_a_tf32) for all D / 8 n tiles, each V pair once (ld_kpair_tf32's reads) for all
+// strips.
+template <int D, int kM, int kNT>
+__device__ __forceinline__ void mma_pv_tf32(float (&acc)[kM][D / 8][4], const float (&p)[kM][kNT][4],
+                                            uint32_t v_base, const KPairRows<D>& v_rows) {
+#pragma unroll
+  for (int kk = 0; kk < kNT; ++kk) {
+    uint32_t a_hi[kM][4], a_lo[kM][4];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) pack_a_tf32(a_hi[m], a_lo[m], p[m], kk);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      Tf32Pair b0, b1;
+      v_rows.load(b0, b1, v_base, kk * 8, n * 8);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) mma_3xtf32(acc[m][n], a_hi[m], a_lo[m], b0, b1);
+    }
+  }
+}
+
 }  // namespace mma
 }  // namespace cupyflash

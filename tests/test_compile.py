@@ -124,6 +124,8 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
+            if expr.startswith(MMA_F32_FORWARD):  # a representative set below (float32_forward_jobs)
+                continue
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
@@ -131,7 +133,29 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for name, source, expr in dropout_representatives():
         for arch in ARCHS[name] if name == "wgmma" else DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
-    return jobs + array_jobs() + flex_jobs() + own_dq_jobs()
+    return jobs + array_jobs() + flex_jobs() + own_dq_jobs() + float32_forward_jobs()
+
+
+#: The mma family's float32 forwards (3xTF32), which CI compiles as a representative set.
+MMA_F32_FORWARD = "mma_flash_fwd<float,"
+
+
+def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
+    """The mma family's float32 forwards (3xTF32, cuda_src/mma_tf32.cuh; 30 with the built-in policies, which would
+    add about 5 CPU-minutes of NVRTC over four architectures) as a representative six: the D = 64 tile with Window +
+    softcap/ALiBi for sm_80 and sm_90a and Causal + softcap for sm_90a, the D = 128 fallback (99 KB parts) plain for
+    sm_86, D = 96 with causal, softcap and dropout for sm_89, and D = 32 with a mask and a float bias for sm_80. Every
+    float32 forward is listed by ``mma.instantiations()``; this is the subset built here (about 35 CPU-seconds)."""
+    from cupyflash.plans import mma as pm
+    from cupyflash.variants import Variant
+
+    cfg = {**pm.FORWARD_CONFIGS_F32, "128fb": pm.FORWARD_FALLBACKS_F32[128][0]}
+    window_mod = Variant(window=(8, 8), softcap=30.0).cpp_policy
+    cases = ((64, window_mod, "sm_80"), (64, window_mod, "sm_90a"),
+             (64, Variant(causal=True, softcap=30.0).cpp_policy, "sm_90a"), ("128fb", Variant().cpp_policy, "sm_86"),
+             (96, Variant(causal=True, softcap=30.0, dropout=0.1).cpp_policy, "sm_89"),
+             (32, Variant(causal=True, mask=True, bias="float").cpp_policy, "sm_80"))  # fmt: skip
+    return [("mma", pm.FORWARD_SOURCE, cfg[d].name("float", pol), arch) for d, pol, arch in cases]
 
 
 def own_dq_jobs() -> list[tuple[str, str, str, str]]:

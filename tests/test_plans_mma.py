@@ -139,7 +139,8 @@ def test_supports():
     assert family.supports(problem(), H100) is None
     assert family.supports(problem(dtype=_dtypes.BFLOAT16, d=256), A100) is None
     assert family.supports(problem(d=40), RTX4090) is None
-    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is not None
+    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32 forward
+    assert family.supports(problem(dtype=np.float64), H100) is not None
     assert family.supports(problem(), T4) is not None
     assert family.supports(problem(d=41), H100) is not None  # rows of D % 8 != 0 elements: portable family
 
@@ -169,6 +170,87 @@ def test_rows_aligned_checks_pointer_and_strides():
     assert _aligned({"q": arr((1, 4, 100, 64), (3, 100 * 64, 64, 1))})
 
 
+@pytest.mark.parametrize("name", DEVICES)
+def test_float32_forward_configs_fit_every_sm80_part(name):
+    limits = DEVICES[name]
+    assert sorted(plans.FORWARD_CONFIGS_F32) == [32, 64, 96, 128] and plans.MAX_D_F32 == 128
+    for pd, table in plans.FORWARD_CONFIGS_F32.items():
+        cfg = plans.forward_config(pd, limits, elem=4)  # the table's, else the first fallback that fits
+        assert cfg in (table, *plans.FORWARD_FALLBACKS_F32.get(pd, ())), (name, pd)
+        assert cfg == table or table.shared_bytes > limits.max_shared_per_block
+        assert cfg.d == pd and cfg.elem == 4
+        assert cfg.br % (16 * cfg.warps) == 0 and cfg.bc % 16 == 0 and cfg.stages >= 2
+        assert cfg.shared_bytes <= limits.max_shared_per_block, (name, cfg)
+        for d in range(pd - 24, pd + 1, 8):  # every D padded to pd
+            if d > 0:
+                assert plans.forward_config(d, limits, elem=4) == cfg
+    for d in (136, 192, 256):
+        assert plans.forward_config(d, limits, elem=4) is None
+
+
+def test_float32_tiles_are_twice_as_wide():
+    # A float tile of D columns is the 16-bit TileLayout of 2 D columns (swizzled for every D % 32 == 0).
+    cfg = plans.ForwardConfig(64, br=128, bc=64, warps=4, elem=4)
+    assert cfg.width == 128
+    assert cfg.shared_bytes == (128 + 2 * 2 * 64) * 64 * 4 == 96 * 1024
+    cfg96 = plans.ForwardConfig(96, br=64, bc=32, warps=4, elem=4)
+    assert cfg96.shared_bytes == (64 + 4 * 32) * 96 * 4  # 192 16-bit units a row: swizzled, no padding
+    assert plans.FORWARD_CONFIGS_F32[128].shared_bytes == (128 + 4 * 32) * 128 * 4
+    assert cfg.name("float", POL) == f"mma_flash_fwd<float, 64, 128, 64, 4, 2, 1, {POL}>"
+    with pytest.raises(ValueError, match="4-byte elements"):
+        plans.FORWARD_CONFIGS[64].name("float", POL)
+    with pytest.raises(ValueError, match="2-byte elements"):
+        cfg.name("__half", POL)
+
+
+def test_plan_forward_float32():
+    plan = plans.plan_forward(3, 12, 1000, 72, "float", H100)
+    cfg = plans.FORWARD_CONFIGS_F32[96]
+    assert plan.config == cfg
+    assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and plan.main.block == (cfg.threads, 1, 1)
+    assert plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.name == cfg.name("float", POL)
+    with pytest.raises(ValueError, match="no mma forward configuration"):
+        plans.plan_forward(1, 1, 10, 192, "float", H100)
+
+
+def test_supports_float32_up_to_d128():
+    f32 = _dtypes.FLOAT32
+    for d in (8, 16, 40, 64, 96, 128):
+        assert family.supports(problem(d=d, dtype=f32), H100) is None, d
+        for limits in DEVICES.values():  # where the 16-bit types go, float32 goes (the backward decides on 99 KB)
+            assert family.supports(problem(d=d, dtype=f32), limits) == family.supports(problem(d=d), limits)
+    for d in (136, 192, 256):
+        assert "D <= 128" in family.supports(problem(d=d, dtype=f32), H100)
+    assert family.supports(problem(d=60, dtype=f32), H100) is not None  # D % 8
+    flex = AttentionProblem((2,), 8, 2, 100, 100, 64, np.dtype(f32), Variant(flex=object()), 0.125, "cupy")
+    assert "mask_mod/score_mod" in family.supports(flex, H100)
+    assert family.supports(problem(dtype=f32), T4) is not None
+
+
+def test_auto_leaves_float32_to_portable_until_the_backward_lands():
+    from cupyflash.kernels import dispatch
+
+    f32 = problem(dtype=_dtypes.FLOAT32)
+    # kernels.mma.AUTO_FLOAT32 (the flip: True, once the float32 backward is on this family too)
+    assert dispatch.select(f32, H100).NAME == ("mma" if family.AUTO_FLOAT32 else "portable")
+    assert dispatch.select(f32, A100, "mma").NAME == "mma"
+    assert dispatch.select(problem(), A100).NAME == "mma"  # 16-bit: unchanged
+    with pytest.raises(TypeError, match="float32 on tensor cores needs D <= 128"):
+        dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100, "mma")
+    with pytest.raises(TypeError, match="no float32 backward"):
+        family.backward_plan(f32, None, H100)
+
+
+def test_the_float32_flip_is_one_flag(monkeypatch):
+    from cupyflash.kernels import dispatch
+
+    monkeypatch.setattr(family, "AUTO_FLOAT32", True)
+    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), H100).NAME == "mma"
+    assert dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100).NAME == "portable"
+    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), T4).NAME == "portable"
+
+
 def test_instantiations_cover_every_config_once():
     inst = family.instantiations()
     assert len(inst) == len(set(inst))
@@ -183,4 +265,9 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.variants import BUILTIN
 
     mains = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS) + len(plans.BACKWARD_FALLBACKS)
-    assert len(inst) == 2 * (mains * len(BUILTIN) + 5)  # dtypes x (main kernels x policies + 3 Deltas, 2 converts)
+    # 16-bit dtypes x (main kernels x policies + 3 Deltas, 2 converts), and the float32 forwards x policies
+    f32 = [*plans.FORWARD_CONFIGS_F32.values(), *(c for cs in plans.FORWARD_FALLBACKS_F32.values() for c in cs)]
+    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + len(f32) * len(BUILTIN)
+    for v in BUILTIN:
+        for cfg in f32:
+            assert (plans.FORWARD_SOURCE, cfg.name("float", v.cpp_policy)) in inst

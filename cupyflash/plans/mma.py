@@ -21,7 +21,8 @@ HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 192, 256)
 
 #: Bytes per element of the 16-bit types the family handles.
 _ELEM = 2
-
+#: Bytes per element of each ctype the family runs (float32: 3xTF32, cuda_src/mma_tf32.cuh).
+ELEM_OF: dict[str, int] = {"__half": 2, "__nv_bfloat16": 2, "float": 4}
 
 
 def padded_head_dim(d: int) -> int | None:
@@ -39,7 +40,9 @@ def _pitch(width: int) -> int:
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    """Tiles of mma_flash_fwd: Br query rows (kWarps warps of Br/kWarps rows), Bc keys, a kStages ring."""
+    """Tiles of mma_flash_fwd: Br query rows (kWarps warps of Br/kWarps rows), Bc keys, a kStages ring.
+    ``elem``: bytes per element of the kernel's T, 2 (float16/bfloat16) or 4 (float32, whose tile of D columns is a
+    16-bit tile of 2 D columns in shared memory: FloatTile in cuda_src/mma_tf32.cuh)."""
 
     d: int  # padded head dim
     br: int
@@ -47,16 +50,24 @@ class ForwardConfig:
     warps: int
     stages: int = 2
     min_blocks: int = 1
+    elem: int = _ELEM
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     @property
+    def width(self) -> int:
+        """A tile row in 16-bit units (TileLayout's width)."""
+        return self.d * self.elem // 2
+
+    @property
     def shared_bytes(self) -> int:
-        return (self.br + 2 * self.stages * self.bc) * _pitch(self.d) * _ELEM
+        return (self.br + 2 * self.stages * self.bc) * _pitch(self.width) * 2
 
     def name(self, ctype: str, policy: str) -> str:
+        if ELEM_OF[ctype] != self.elem:
+            raise ValueError(f"{ctype} has {ELEM_OF[ctype]}-byte elements; this forward configuration {self.elem}")
         return (
             f"mma_flash_fwd<{ctype}, {self.d}, {self.br}, {self.bc}, {self.warps}, {self.stages}, {self.min_blocks}, "
             f"{policy}>"
@@ -157,6 +168,31 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     256: ForwardConfig(256, br=64, bc=16, warps=4),  # bc=32 spills 4 B under NVRTC 13.0 on sm_90a
 }
 
+# float32 (3xTF32, elem = 4): every tile is twice the bytes of the 16-bit one, and each product is three m16n8k8 mma
+# on hi/lo parts split in registers (mma_tf32.cuh). Each key tile's P V goes to a fresh accumulator that joins O in
+# the rescale's FFMA (mma_forward.cu: the tensor cores' accumulation truncates, and straight into O over N = 4096 keys
+# it drifted 2.9e-5 relative, over the 1e-5 bound; now ~1e-6), so a strip holds O and P V: 2 D / 8 * 4 floats. So one
+# 16-row strip a warp (kM = 1) and 8 warps (Br = 128) at every D. NVRTC 13.5 registers, built-in policies, sm_80 /
+# sm_90a: D = 32 (Bc 64) 150-236, D = 64 (Bc 64) 186-204, D = 96 (Bc 32) 215-251, D = 128 (Bc 32) 234-255, no
+# spill; mask + bias arrays at 255 with 4-52 B (the 16-bit forwards' array allowance). One block an SM (256 threads
+# at <= 255 registers: at most 64K / 256). Measured on an H100 against two strips a warp at D = 64 (which spill
+# with the fresh accumulator) and one strip of 4 warps: benchmarks/NOTES.md, "float32 on tensor cores".
+# D = 192/256 are left to the portable family (kernels.mma.supports): O and P V alone would take 192-256 registers.
+FORWARD_CONFIGS_F32: dict[int, ForwardConfig] = {
+    32: ForwardConfig(32, br=128, bc=64, warps=8, elem=4),
+    64: ForwardConfig(64, br=128, bc=64, warps=8, elem=4),
+    96: ForwardConfig(96, br=128, bc=32, warps=8, elem=4),
+    128: ForwardConfig(128, br=128, bc=32, warps=8, elem=4),
+}
+# Where shared memory is short of the table (sm_86/sm_89: 99 KB a block; D = 128 takes 128 KB): Bc 16 (96 KB,
+# 219-229 registers on sm_86), built so that float32 runs wherever the 16-bit forward does, not tuned.
+FORWARD_FALLBACKS_F32: dict[int, tuple[ForwardConfig, ...]] = {
+    128: (ForwardConfig(128, br=128, bc=16, warps=8, elem=4),),
+}
+
+#: The largest head dim the float32 forward takes (FORWARD_CONFIGS_F32).
+MAX_D_F32 = max(FORWARD_CONFIGS_F32)
+
 # One block of 8 warps per SM (dK_j/dV_j accumulators: D f32 registers per thread at kDSplit = 1).
 # D = 128 takes FlashAttention-2's 2-D warp layout (Br = 64, Bc = 128; S^T/dP^T in 32 x 32 warp tiles, P^T
 # and dS^T through smem): 0.45 ldmatrix per mma instead of 0.70 for the key-major strips with Br = 32,
@@ -191,12 +227,17 @@ def _heads_on_x(longest_first: bool, heads: int, tiles: int = 1) -> bool:
     return longest_first or heads > MAX_GRID_Y
 
 
-def forward_config(d: int, limits: DeviceLimits) -> ForwardConfig | None:
+def forward_config(d: int, limits: DeviceLimits, elem: int = _ELEM) -> ForwardConfig | None:
+    """The forward's tiles for head dim ``d`` and ``elem``-byte elements (4: float32, FORWARD_CONFIGS_F32), or None
+    (no padded head dim, none for float32 past D = 128, or short of shared memory)."""
     pd = padded_head_dim(d)
     if pd is None:
         return None
-    cfg = FORWARD_CONFIGS[pd]
-    return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+    if elem != 4:
+        cfg = FORWARD_CONFIGS[pd]
+        return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
+    tried = (FORWARD_CONFIGS_F32[pd], *FORWARD_FALLBACKS_F32.get(pd, ())) if pd in FORWARD_CONFIGS_F32 else ()
+    return next((c for c in tried if c.shared_bytes <= limits.max_shared_per_block), None)
 
 
 def backward_config(d: int, limits: DeviceLimits) -> AnyBackwardConfig | None:
@@ -222,9 +263,10 @@ def plan_forward(
 ) -> ForwardPlan:
     """Grid over (B*Hq, query tiles), in the order _heads_on_x picks; the kernel counts query tiles down
     from the last (most work under causal). ``total``: varlen's packed query rows (grid_axes)."""
-    cfg = config or forward_config(d, limits)
+    cfg = config or forward_config(d, limits, ELEM_OF[ctype])
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
-        raise ValueError(f"no mma forward configuration for D={d} within {limits.max_shared_per_block} B of smem")
+        raise ValueError(f"no mma forward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
+                         "of smem")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
@@ -260,9 +302,10 @@ def plan_backward(
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
-def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
-                   ) -> list[tuple[str, str]]:  # fmt: skip
-    """Every (source, name expression) the family can launch with the policies of ``variants``."""
+def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN,
+                   f32: bool = True) -> list[tuple[str, str]]:  # fmt: skip
+    """Every (source, name expression) the family can launch with the policies of ``variants``: the 16-bit
+    ``ctypes``' forwards and backwards, and the float32 forwards (``f32``)."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for pol in (v.cpp_policy for v in variants):
@@ -271,4 +314,8 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_FALLBACKS.values()]
         out += [(BACKWARD_SOURCE, f"mma_bwd_delta<{ct}, {lanes}>") for lanes in DELTA_LANES]
         out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}, {lanes}>") for lanes in CONVERT_LANES]
+    if f32:
+        for pol in (v.cpp_policy for v in variants):
+            out += [(FORWARD_SOURCE, c.name("float", pol)) for c in FORWARD_CONFIGS_F32.values()]
+            out += [(FORWARD_SOURCE, c.name("float", pol)) for cs in FORWARD_FALLBACKS_F32.values() for c in cs]
     return out
