@@ -289,10 +289,14 @@ __device__ __forceinline__ void red_add2(float* dst, float x, float y) {
 #endif
 }
 
-// Store two adjacent output elements (4 bytes) of type T from floats.
+// Store two adjacent output elements (4 bytes of a 16-bit T, 8 of float) of type T from floats.
 template <typename T>
 __device__ __forceinline__ void store2(T* dst, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
+  if constexpr (is_same_v<T, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
+  }
 }
 
 }  // namespace mma

@@ -123,6 +123,8 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
+            if expr.startswith("mma_flash_bwd<float"):  # float32_jobs: a representative few
+                continue
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
                     continue
@@ -130,7 +132,27 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for name, source, expr in dropout_representatives():
         for arch in DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
-    return jobs + array_jobs() + flex_jobs() + own_dq_jobs()
+    return jobs + array_jobs() + flex_jobs() + own_dq_jobs() + float32_jobs()
+
+
+def float32_jobs() -> list[tuple[str, str, str, str]]:
+    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative seven of its
+    8 configurations x policies x architectures (about 40 CPU-seconds): the D = 64 table tile causal on sm_80 and
+    sm_90a, and owning dQ (sm_80); a float bias (dbias, issue 17) at D = 64; D = 128 with a mask, a float bias,
+    a window and softcap/ALiBi (sm_90a), and with causal + softcap + dropout (sm_80); the 99 KB parts' D = 128
+    fallback (sm_86)."""
+    from cupyflash.plans import mma as pm
+    from cupyflash.variants import ARRAYS, BUILTIN, DROPOUT, Variant
+
+    src = pm.BACKWARD_SOURCE
+    t64, t128 = pm.BACKWARD_CONFIGS_F32[64], pm.BACKWARD_CONFIGS_F32[128]
+    plain, causal = BUILTIN[0].cpp_policy, BUILTIN[1].cpp_policy
+    return [("mma", src, t64.name("float", causal), "sm_80"), ("mma", src, t64.name("float", causal), "sm_90a"),
+            ("mma", src, t64.name("float", causal, own_dq=True), "sm_80"),
+            ("mma", src, t64.name("float", Variant(bias="float").cpp_policy), "sm_80"),
+            ("mma", src, t128.name("float", ARRAYS[1].cpp_policy), "sm_90a"),
+            ("mma", src, t128.name("float", DROPOUT[1].cpp_policy), "sm_80"),
+            ("mma", src, pm.BACKWARD_FALLBACKS_F32[128][-1].name("float", plain), "sm_86")]
 
 
 def own_dq_jobs() -> list[tuple[str, str, str, str]]:

@@ -254,9 +254,15 @@ def test_dispatch_auto_and_explicit(rng):
     expected = "wgmma" if lim.compute_capability == 90 else "mma" if lim.compute_capability >= 80 else "portable"
     assert dispatch.select(p, lim).NAME == expected
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    # "auto" keeps float32 on the portable family (kernels.mma.AUTO_FLOAT32); kernel="mma" runs its float32 backward
+    # (3xTF32, D <= 128) and says why not past D = 128
     assert dispatch.select(check_attention(q32, k32, v32), lim).NAME == "portable"
-    with pytest.raises(TypeError, match="mma"):
-        cupyflash.attention(q32, k32, v32, kernel="mma")
+    if lim.compute_capability >= 80:
+        assert dispatch.select(check_attention(q32, k32, v32), lim, "mma").NAME == "mma"
+    wide = cupy.zeros((1, 2, 64, 136), np.float32)
+    assert dispatch.select(check_attention(wide, wide, wide), lim).NAME == "portable"
+    with pytest.raises(TypeError, match="mma" if lim.compute_capability < 80 else "D <= 128"):
+        cupyflash.attention(wide, wide, wide, kernel="mma")
 
 
 def test_empty_and_keyless(rng):

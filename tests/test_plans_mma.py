@@ -139,9 +139,25 @@ def test_supports():
     assert family.supports(problem(), H100) is None
     assert family.supports(problem(dtype=_dtypes.BFLOAT16, d=256), A100) is None
     assert family.supports(problem(d=40), RTX4090) is None
-    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is not None
+    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32 (mma_bwd_tf32.cuh)
+    assert family.supports(problem(dtype=_dtypes.FLOAT32, d=128), RTX4090) is None
+    assert "float32 on tensor cores needs D <= 128" in family.supports(problem(dtype=_dtypes.FLOAT32, d=136), H100)
     assert family.supports(problem(), T4) is not None
     assert family.supports(problem(d=41), H100) is not None  # rows of D % 8 != 0 elements: portable family
+
+
+def test_float32_dispatch_auto_unchanged():
+    # kernel="auto" keeps float32 on the portable family (AUTO_FLOAT32 = False: the float32 forward is not built
+    # here); kernel="mma" runs the float32 backward up to D = 128, and says why not past it
+    from cupyflash.kernels import dispatch
+
+    f32 = problem(dtype=_dtypes.FLOAT32)
+    for limits in (A100, H100, RTX4090):
+        assert dispatch.select(f32, limits).NAME == "portable"
+        assert dispatch.select(f32, limits, "mma") is family
+    with pytest.raises(TypeError, match="float32 on tensor cores needs D <= 128"):
+        dispatch.select(problem(dtype=_dtypes.FLOAT32, d=136), H100, "mma")
+    assert dispatch.select(problem(), A100) is family  # 16 bits: unchanged
 
 
 class _FakeArray:
@@ -183,4 +199,69 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.variants import BUILTIN
 
     mains = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS) + len(plans.BACKWARD_FALLBACKS)
-    assert len(inst) == 2 * (mains * len(BUILTIN) + 5)  # dtypes x (main kernels x policies + 3 Deltas, 2 converts)
+    f32 = len(plans.backward_configs_f32())
+    # dtypes x (main kernels x policies + 3 Deltas, 2 converts), and float32's backward the same way
+    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + f32 * len(BUILTIN) + 5
+    for cfg in plans.backward_configs_f32():
+        assert cfg.name("float", POL) in names
+    assert {f"mma_bwd_delta<float, {n}>" for n in (8, 16, 32)} <= names
+    assert {f"mma_bwd_dq_convert<float, {n}>" for n in (16, 32)} <= names
+
+
+# ---------------------------------------------------------------------------- float32 (3xTF32) backward
+
+
+def test_float32_backward_tables():
+    assert set(plans.BACKWARD_CONFIGS_F32) == {32, 64, 96, 128}  # D <= 128 (kernels.mma.MAX_D_F32)
+    for pd, cfg in plans.BACKWARD_CONFIGS_F32.items():
+        assert cfg.d == pd and cfg.elem == 4 and cfg.d_split == 1
+        assert plans.backward_config(pd, H100, elem=4) == cfg
+        # one block of 8 warps an SM on an H100 (the smem of two does not fit, except at D = 32)
+        assert cfg.warps == 8 and cfg.shared_bytes <= H100.max_shared_per_block
+    for pd, cfgs in plans.BACKWARD_FALLBACKS_F32.items():
+        for cfg in cfgs:
+            assert cfg.d == pd and cfg.elem == 4 and cfg.shared_bytes < plans.BACKWARD_CONFIGS_F32[pd].shared_bytes
+    for d in (192, 256, 257):
+        assert plans.backward_config(d, H100, elem=4) is None
+    # A100: the tables but D = 128; 99 KB parts: a fallback at every D but 32
+    assert [plans.backward_config(d, A100, elem=4) for d in (32, 64, 96, 128)] == [
+        *(plans.BACKWARD_CONFIGS_F32[d] for d in (32, 64, 96)), plans.BACKWARD_FALLBACKS_F32[128][0]]
+    for d in (64, 96, 128):
+        cfg = plans.backward_config(d, RTX4090, elem=4)
+        assert cfg in plans.BACKWARD_FALLBACKS_F32[d] and cfg.shared_bytes <= RTX4090.max_shared_per_block
+    assert plans.backward_config(32, RTX4090, elem=4) == plans.BACKWARD_CONFIGS_F32[32]
+    # the 16-bit tables are unchanged by elem's default
+    assert plans.backward_config(64, H100) == plans.BACKWARD_CONFIGS[64]
+
+
+def test_float32_shared_bytes_are_float_tiles():
+    # K_j, V_j and the Q_i/dO_i ring in rows of 4 d bytes (TileLayout<2 d>), dS^T in floats, the lse/Delta ring
+    b = plans.BackwardConfig(64, br=64, key_warps=8, elem=4)
+    assert b.shared_bytes == 2 * 128 * 64 * 4 + 4 * 64 * 64 * 4 + 128 * 64 * 4 + 4 * 64 * 4
+    b16 = plans.BackwardConfig(128, br=16, key_warps=2, elem=4)  # dS^T of 32 16-bit units a row: padded by one chunk
+    assert b16.shared_bytes == 2 * 32 * 128 * 4 + 4 * 16 * 128 * 4 + 32 * (32 + 8) * 2 + 4 * 16 * 4
+    assert b.name("float", POL) == f"mma_flash_bwd<float, 64, 64, 8, 1, 2, 1, 1, {POL}>"
+
+
+def test_float32_tiles_are_what_the_kernel_asserts():
+    for cfg in plans.backward_configs_f32():
+        kds = cfg.d // cfg.d_split
+        row_warps = min(cfg.br // 16, cfg.warps)
+        assert kds % 16 == 0 and cfg.br % 16 == 0 and (cfg.br // 8) % (2 * cfg.dp_chunks) == 0
+        assert cfg.warps % row_warps == 0 and (cfg.d // (cfg.warps // row_warps)) % 8 == 0  # n8 dQ tiles
+
+
+def test_plan_backward_float32():
+    plan = plans.plan_backward(2, 8, 2, 1000, 777, 128, "float", H100)
+    cfg = plans.BACKWARD_CONFIGS_F32[128]
+    assert plan.config == cfg and plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.name == cfg.name("float", POL) and plan.main.grid == (cdiv(777, cfg.bc), 4, 1)
+    # Delta: a 16-byte load holds 4 floats, so twice the lanes of a 16-bit row; the conversion as for 16 bits
+    for d, lanes, clanes in ((32, 8, 16), (40, 16, 16), (64, 16, 16), (72, 32, 32), (128, 32, 32)):
+        pd = plans.plan_backward(1, 2, 2, 100, 300, d, "float", H100)
+        assert pd.delta_lanes == lanes and pd.delta.name == f"mma_bwd_delta<float, {lanes}>" and lanes * 4 >= d
+        assert pd.convert.name == f"mma_bwd_dq_convert<float, {clanes}>"
+    own = plans.plan_backward(1, 2, 2, 100, 100, 64, "float", H100)
+    assert own.own_dq and own.main.name == plans.BACKWARD_CONFIGS_F32[64].name("float", POL, own_dq=True)
+    with pytest.raises(ValueError, match="no mma backward configuration"):
+        plans.plan_backward(1, 1, 1, 10, 10, 192, "float", H100)

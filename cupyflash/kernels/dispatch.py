@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import numpy as np
+
 from ..plans import DeviceLimits
 from ..validation import AttentionProblem
 
@@ -43,11 +45,19 @@ def select(p: AttentionProblem, limits: DeviceLimits, kernel: str = "auto", alig
         return table[kernel]
     reasons = {}
     for name, fam in table.items():
-        why = reasons[name] = reason(fam, p, limits, aligned)
+        why = reasons[name] = reason(fam, p, limits, aligned) or _named_only(fam, p)
         if why is None:
             return fam
     detail = "; ".join(f"{name} {why}" for name, why in reasons.items())
     raise TypeError(f"no kernel family can run this call ({_describe(p)}): {detail}")
+
+
+def _named_only(fam: ModuleType, p: AttentionProblem) -> str | None:
+    """Why ``kernel="auto"`` passes over a family that can run the call: float32 where the family says so
+    (``AUTO_FLOAT32 = False``: the mma family's float32 backward until its forward lands)."""
+    if not getattr(fam, "AUTO_FLOAT32", True) and np.dtype(p.dtype) == np.float32:
+        return f"runs float32 only when named (kernel={fam.NAME!r})"
+    return None
 
 
 def _describe(p: AttentionProblem) -> str:
