@@ -15,21 +15,42 @@
 
 namespace cupyflash {
 
+// sum + the dot product of two 16-byte vectors of T as loaded (uint4: 8 elements of a 16-bit type, 4 floats), in
+// element order. Floats are read as the words themselves: through a pointer, as the 16-bit types are, the vectors
+// of a float kernel went to the stack.
+template <typename T>
+__device__ __forceinline__ float dot_vec16(float sum, const uint4& x, const uint4& y) {
+  if constexpr (sizeof(T) == 4) {
+    sum += __uint_as_float(x.x) * __uint_as_float(y.x);
+    sum += __uint_as_float(x.y) * __uint_as_float(y.y);
+    sum += __uint_as_float(x.z) * __uint_as_float(y.z);
+    sum += __uint_as_float(x.w) * __uint_as_float(y.w);
+  } else {
+    const T* xs = reinterpret_cast<const T*>(&x);
+    const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+  }
+  return sum;
+}
+
 // The smallest power of two >= x (threads per row below: one 16-byte chunk each).
 __host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
 
 // For query heads [h0, h0 + nh) of batch b, every row i < nq: Delta_i into the scratch (and, with attention
 // sinks, the row's share -P_sink,i * Delta_i of dsinks, summed per thread and head before its atomic), and
 // dQ_i = 0 where i is outside [q_begin, q_end), the rows the block's loop stores. kPer threads per row (a
-// power of two dividing 32), each one 16-byte chunk of dO and O (the tensor-core families' rows: d % 8 == 0,
-// 16-byte aligned), so a pass reads kThreads / kPer rows with independent loads. The caller fences and syncs before reading Delta.
+// power of two dividing 32), each one 16-byte chunk of dO and O (kVec elements: 8 of a 16-bit type, 4 floats; the
+// tensor-core families' rows: d % 8 == 0, 16-byte aligned), so a pass reads kThreads / kPer rows with independent
+// loads. The caller fences and syncs before reading Delta.
 template <typename T, int D, int kThreads>
 __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_begin, int q_end) {
-  constexpr int kPer = pow2_at_least(D / 8);
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPer = pow2_at_least(D / kVec);
   static_assert(kPer <= 32 && kThreads % kPer == 0, "a row's threads sit in one warp");
   constexpr int kRows = kThreads / kPer;
   const int sub = threadIdx.x % kPer;
-  const int c = sub * 8;
+  const int c = sub * kVec;
   const int nq = p.nq, rows = nh * nq;
   float sink_run = 0.f;  // this thread's rows' dsinks shares for head sink_head, added once per head
   int sink_head = h0;
@@ -43,10 +64,7 @@ __device__ void own_rows(const AttentionParams& p, int b, int h0, int nh, int q_
       const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n + c;
       const uint4 x = *reinterpret_cast<const uint4*>(dor);
       const uint4 y = *reinterpret_cast<const uint4*>(orow);
-      const T* xs = reinterpret_cast<const T*>(&x);
-      const T* ys = reinterpret_cast<const T*>(&y);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+      sum = dot_vec16<T>(sum, x, y);
     }
 #pragma unroll
     for (int off = kPer / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);

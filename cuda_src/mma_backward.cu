@@ -1,4 +1,5 @@
-// FlashAttention-2 backward on tensor cores (sm_80+, fp16/bf16), in three launches:
+// FlashAttention-2 backward on tensor cores (sm_80+, fp16/bf16; float32 as 3xTF32 in the key-major kernel), in three
+// launches:
 //   mma_bwd_delta:      Delta = rowsum(dO * O) per query row (and the dQ accumulator zeroed);
 //   mma_flash_bwd:      one block per K_j/V_j tile of one (batch, kv head), looping over the group's
 //                       query heads and their Q_i tiles; dK_j, dV_j stay in f32 registers, dQ goes
@@ -22,14 +23,16 @@ using namespace cupyflash::mma;
 #include "mma_bwd_keymajor.cuh"
 #include "mma_bwd_2d.cuh"
 
-// Delta = rowsum(dO * O) in f32, kLanes lanes per query row (kLanes * 8 >= d: a 16-byte load of dO and of O per
-// lane; 256 / kLanes rows a block); the row's dQ accumulator is zeroed too, and with attention sinks the rows'
-// shares of dsinks are added (one atomic per block and head: add_dsinks_block). Measured at D = 64 (H100): a warp per
+// Delta = rowsum(dO * O) in f32, kLanes lanes per query row (kLanes * kVec >= d: a 16-byte load of dO and of O per
+// lane, kVec = 8 elements of a 16-bit type, 4 floats; 256 / kLanes rows a block); the row's dQ accumulator is zeroed
+// too, and with attention sinks the rows' shares of dsinks are added (one atomic per block and head:
+// add_dsinks_block). Measured at D = 64 (H100): a warp per
 // row kept 24 of its 32 lanes idle and ran at half the copy bandwidth (176 us at B*H*N = 512k rows).
 template <typename T, int kLanes>
 __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ AttentionParams p) {
   static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32, "a power-of-two share of a warp");
   constexpr int kRows = 256 / kLanes;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte load
   const int sub = threadIdx.x % kLanes;
   const long long r = static_cast<long long>(blockIdx.x) * kRows + threadIdx.x / kLanes;
   const bool live = r < p.rows;
@@ -42,13 +45,18 @@ __global__ void __launch_bounds__(256) mma_bwd_delta(const __grid_constant__ Att
   if (live) {
     const T* dor = static_cast<const T*>(p.dout) + b * p.dout_s.b + h * p.dout_s.h + i * p.dout_s.n;
     const T* orow = static_cast<const T*>(p.o) + b * p.o_s.b + h * p.o_s.h + i * p.o_s.n;
-    for (int c = sub * 8; c < p.d; c += kLanes * 8) {  // 16-byte loads: d % 8 == 0 and rows are 16-byte aligned
-      const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
-      const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
-      const T* xs = reinterpret_cast<const T*>(&x);
-      const T* ys = reinterpret_cast<const T*>(&y);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += to_float<T>(xs[e]) * to_float<T>(ys[e]);
+    // 16-byte loads: d % 8 == 0, rows 16-byte aligned. float: one pass (kLanes * 4 >= d <= 128); unrolled, ptxas
+    // kept this kernel at 32 registers with a spill.
+    if constexpr (kVec == 4) {
+#pragma unroll 1
+      for (int c = sub * kVec; c < p.d; c += kLanes * kVec)
+        sum = dot_vec16<T>(sum, *reinterpret_cast<const uint4*>(dor + c), *reinterpret_cast<const uint4*>(orow + c));
+    } else {
+      for (int c = sub * kVec; c < p.d; c += kLanes * kVec) {
+        const uint4 x = *reinterpret_cast<const uint4*>(dor + c);
+        const uint4 y = *reinterpret_cast<const uint4*>(orow + c);
+        sum = dot_vec16<T>(sum, x, y);
+      }
     }
   }
 #pragma unroll

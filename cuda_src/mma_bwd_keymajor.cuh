@@ -7,8 +7,11 @@
 #include "mma_softmax.cuh"
 #include "dq_turns.cuh"
 #include "dq_own.cuh"
+#include "mma_bwd_tf32.cuh"
 
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
+// T = float runs every product as 3xTF32 m16n8k8 steps (mma_bwd_tf32.cuh) on float tiles (TileLayout<2 D>, dS^T
+// TileLayout<2 Br>); everything on C fragments is shared with the 16-bit types.
 template <typename T, int D, int Br, int kKeyWarps, int kDSplit, int kStages, int kMinBlocks, int kDPChunks, class Policy,
           bool kOwnDQ = false>
 __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
@@ -38,19 +41,22 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   constexpr int kQColWarps = kWarps / kQRowWarps;
   constexpr int kQStrips = Br / 16 / kQRowWarps;
   constexpr int kDQ = D / kQColWarps;
-  static_assert(kDS % 16 == 0 && kDQ % 16 == 0 && Br % 16 == 0, "tile shape");
+  constexpr bool kF32 = is_same_v<T, float>;
+  static_assert(kDS % 16 == 0 && kDQ % (kF32 ? 8 : 16) == 0 && Br % 16 == 0, "tile shape");  // float: n8 dQ tiles
   static_assert(kWarps % kQRowWarps == 0 && Br / 16 % kQRowWarps == 0, "dQ warp tiling");
   static_assert(kNQ % (2 * kDPChunks) == 0, "dP^T chunks are whole k16 blocks of queries");
   static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
-  using L = TileLayout<D>;
-  using LS = TileLayout<Br>;  // dS^T: Bc rows (keys) x Br columns (queries)
+  constexpr int kW = static_cast<int>(sizeof(T)) / 2;  // 16-bit units per element (float: 2)
+  using U = typename SmemOf<T>::type;
+  using L = TileLayout<D * kW>;
+  using LS = TileLayout<Br * kW>;  // dS^T: Bc rows (keys) x Br columns (queries)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + Bc * L::kPitch;
-  T* sQ = sV + Bc * L::kPitch;             // [kStages][Br][pitch]
-  T* sdO = sQ + kStages * Br * L::kPitch;  // [kStages][Br][pitch]
-  T* sdS = sdO + kStages * Br * L::kPitch;
+  U* sK = reinterpret_cast<U*>(smem_raw);
+  U* sV = sK + Bc * L::kPitch;
+  U* sQ = sV + Bc * L::kPitch;             // [kStages][Br][pitch]
+  U* sdO = sQ + kStages * Br * L::kPitch;  // [kStages][Br][pitch]
+  U* sdS = sdO + kStages * Br * L::kPitch;
   float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
 
@@ -88,10 +94,10 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     const int bo = opaque(b), tid = opaque(static_cast<int>(threadIdx.x));
     const SeqRows sq = seq_queries(p, bo);
     const int row = sq.q_row0 + i0;
-    load_tile_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + row * q_sn, q_sn,
-                                        sq.nq - i0, d, tid);
-    load_tile_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + row * do_sn,
-                                        do_sn, sq.nq - i0, d, tid);
+    load_tile_any_async<T, D, Br, kThreads>(sQ + buf * Br * L::kPitch, q + bo * q_sb + hh * q_sh + row * q_sn,
+                                            q_sn, sq.nq - i0, d, tid);
+    load_tile_any_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + row * do_sn,
+                                            do_sn, sq.nq - i0, d, tid);
   };
   // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
   // Q and dO rows are zeros, so they contribute nothing whatever P is).
@@ -123,8 +129,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   }
 
   if (total > 0) {
-    load_tile_async<T, D, Bc, kThreads>(sK, gK, k_sn, seq.nk - j0, d, threadIdx.x);
-    load_tile_async<T, D, Bc, kThreads>(sV, gV, v_sn, seq.nk - j0, d, threadIdx.x);
+    load_tile_any_async<T, D, Bc, kThreads>(sK, gK, k_sn, seq.nk - j0, d, threadIdx.x);
+    load_tile_any_async<T, D, Bc, kThreads>(sV, gV, v_sn, seq.nk - j0, d, threadIdx.x);
     load_q_do(0, 0);
     load_stats(0, 0);
   }
@@ -139,8 +145,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   }
 
   // ldmatrix rows: one register each where the warp's first chunk is a multiple of 8 (see LdmRows).
-  const LdmRows<D, true> kv_a(16 * kw + (lane & 15), lane >> 4);                // A of K Q^T, V dO^T
-  const LdmRows<D, true> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of K Q^T, V dO^T
+  const LdmRows<D * kW, true> kv_a(16 * kw + (lane & 15), lane >> 4);                // A of K Q^T, V dO^T
+  const LdmRows<D * kW, true> qn_b((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);  // B of K Q^T, V dO^T
   const LdmRows<D, kDSplit == 1 || kDS % 64 == 0> qt_b(lane & 15, 2 * (dw * kDS / 16) + (lane >> 4));  // B of P^T dO, dS^T Q
   const uint32_t sK_u = smem_u32(sK), sV_u = smem_u32(sV), sdS_u = smem_u32(sdS);
   const int key_w = j0 + 16 * kw;  // first key of this warp
@@ -178,11 +184,17 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pt[n][e] = 0.f;
     }
+    if constexpr (kF32) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[4];
-      ldmatrix_x4(a, kv_a.at(sK_u, ks));
-      mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
+      for (int ks = 0; ks < D / 8; ++ks)
+        mma_k8_rows(pt, kv_a.at(sK_u, ks), [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, kv_a.at(sK_u, ks));
+        mma_k16<T, false>(pt, a, [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
+      }
     }
     // The policy per step, from the sequence's lengths re-read here (kept live, they would spill).
     Policy pol(p, seq_geometry(p, opaque(b)));
@@ -198,12 +210,22 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     if constexpr (Policy::Dropout::kOn) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
 
     // dV_j += P^T dO_i (this warp's d-slice).
+    if constexpr (kF32) {
+      const KpairLanes<D> kp(lane);
 #pragma unroll
-    for (int kq = 0; kq < Br / 16; ++kq) {
-      uint32_t a[4];
-      if constexpr (Policy::Dropout::kOn) pack_a_step_kept<T>(a, pt, kq, keep);
-      else pack_a_step<T>(a, pt, kq);
-      mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
+      for (int kq = 0; kq < Br / 8; ++kq) {
+        uint32_t ah[4], al[4];
+        pack_a_fast<Policy::Dropout::kOn>(ah, al, pt, kq, keep);
+        mma_k8_kpair<D>(acc_dv, ah, al, kp, sdO_u, kq * 8, kDSplit == 1 ? 0 : dw * kDS);
+      }
+    } else {
+#pragma unroll
+      for (int kq = 0; kq < Br / 16; ++kq) {
+        uint32_t a[4];
+        if constexpr (Policy::Dropout::kOn) pack_a_step_kept<T>(a, pt, kq, keep);
+        else pack_a_step<T>(a, pt, kq);
+        mma_k16<T, true>(acc_dv, a, [&](int n2) { return qt_b.at(sdO_u, n2, kq * 16); });
+      }
     }
 
     // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under dP^T, dS^T and dK_j.
@@ -220,11 +242,17 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpt[n][e] = 0.f;
       }
+      if constexpr (kF32) {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        uint32_t a[4];
-        ldmatrix_x4(a, kv_a.at(sV_u, ks));
-        mma_k16<T, false>(dpt, a, [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
+        for (int ks = 0; ks < D / 8; ++ks)
+          mma_k8_rows(dpt, kv_a.at(sV_u, ks), [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4(a, kv_a.at(sV_u, ks));
+          mma_k16<T, false>(dpt, a, [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
+        }
       }
 #pragma unroll
       for (int n = 0; n < kNC; ++n) {
@@ -239,20 +267,32 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       }
 
       // dK_j += dS^T Q_i, and dS^T to shared memory (one copy: the d-slice 0 warps write it).
+      if constexpr (kF32) {
+        const KpairLanes<D> kp(lane);
 #pragma unroll
-      for (int kc = 0; kc < kNC / 2; ++kc) {
-        const int kq = ch * kNC / 2 + kc;
-        uint32_t a[4];
-        pack_a_step<T>(a, pt, kq);
-        if (dw == 0) {
-          const int r = 16 * kw + (lane >> 2);
-          const int e = (lane & 3) * 2;
-          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
-          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
-          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
-          *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
+        for (int kc = 0; kc < kNC; ++kc) {
+          const int kq = ch * kNC + kc;
+          uint32_t ah[4], al[4];
+          pack_a_fast(ah, al, pt, kq);
+          if (dw == 0) store_ds_f32<Br>(reinterpret_cast<unsigned char*>(sdS), pt[kq], 16 * kw + (lane >> 2), kq);
+          mma_k8_kpair<D>(acc_dk, ah, al, kp, sQ_u, kq * 8, kDSplit == 1 ? 0 : dw * kDS);
         }
-        mma_k16<T, true>(acc_dk, a, [&](int n2) { return qt_b.at(sQ_u, n2, kq * 16); });
+      } else {
+#pragma unroll
+        for (int kc = 0; kc < kNC / 2; ++kc) {
+          const int kq = ch * kNC / 2 + kc;
+          uint32_t a[4];
+          pack_a_step<T>(a, pt, kq);
+          if (dw == 0) {
+            const int r = 16 * kw + (lane >> 2);
+            const int e = (lane & 3) * 2;
+            *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq) + e) = a[0];
+            *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq) + e) = a[1];
+            *reinterpret_cast<uint32_t*>(sdS + LS::offset(r, 2 * kq + 1) + e) = a[2];
+            *reinterpret_cast<uint32_t*>(sdS + LS::offset(r + 8, 2 * kq + 1) + e) = a[3];
+          }
+          mma_k16<T, true>(acc_dk, a, [&](int n2) { return qt_b.at(sQ_u, n2, kq * 16); });
+        }
       }
     }
     __syncthreads();  // dS^T complete
@@ -277,11 +317,22 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
       }
+      if constexpr (kF32) {
+        const KpairLanes<Br> ds_lanes(lane_dq);
+        const KpairLanes<D> k_lanes(lane_dq);
 #pragma unroll
-      for (int ks = 0; ks < Bc / 16; ++ks) {
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
-        mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
+        for (int ks = 0; ks < Bc / 8; ++ks) {
+          uint32_t ah[4], al[4];
+          ld_ds_a<Br>(ah, al, ds_lanes, sdS_u, ks * 8, (qs * kQStrips + st) * 16);
+          mma_k8_kpair<D>(acc_dq, ah, al, k_lanes, sK_u, ks * 8, qc * kDQ);
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < Bc / 16; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, ds_a.at(sdS_u, st, ks * 16));
+          mma_k16<T, true>(acc_dq, a, [&](int n2) { return kt_b.at(sK_u, n2, ks * 16); });
+        }
       }
       const int bo = opaque(b);
       // Added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete and stored as

@@ -70,6 +70,10 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
     **{(f"wgmma_flash_bwd<{ct}, 64, 128, 2, 2, cupyflash::Policy<cupyflash::{mask}, cupyflash::ModScore, "
         "cupyflash::Dropout>", "*"): 192 if mask != "Window" else 208
        for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
+    # The float32 (3xTF32) D = 128 key-major backward with dropout, NVRTC 13.5 sm_80: 32/52 B (24 B stack) at 255
+    # registers (Br = 16: 36/60 B, dp_chunks = 2: 64/116 B; not better). Every built-in policy is spill-free.
+    ("mma_flash_bwd<float, 128, 32, 8, 1, 2, 1, 1, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore, "
+     "cupyflash::Dropout>", "*"): 64,
 }
 
 
@@ -124,7 +128,7 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for fam in (portable, mma, linear, wgmma, decode):
         name = getattr(fam, "NAME", fam.__name__.rsplit(".", 1)[-1])
         for source, expr in fam.instantiations():
-            if expr.startswith(MMA_F32_FORWARD):  # a representative set below (float32_forward_jobs)
+            if expr.startswith(MMA_F32_MAIN):  # representative sets below (float32_forward_jobs, float32_jobs)
                 continue
             for arch in ARCHS.get(name, ("sm_80", "sm_90a")):
                 if arch in PLAIN_ONLY and any(pol in expr for pol in variant_policies):
@@ -133,11 +137,11 @@ def all_jobs() -> list[tuple[str, str, str, str]]:
     for name, source, expr in dropout_representatives():
         for arch in ARCHS[name] if name == "wgmma" else DROPOUT_ARCHS:
             jobs.append((name, source, expr, arch))
-    return jobs + array_jobs() + flex_jobs() + own_dq_jobs() + float32_forward_jobs()
+    return jobs + array_jobs() + flex_jobs() + own_dq_jobs() + float32_forward_jobs() + float32_jobs()
 
 
-#: The mma family's float32 forwards (3xTF32), which CI compiles as a representative set.
-MMA_F32_FORWARD = "mma_flash_fwd<float,"
+#: The mma family's float32 main kernels (3xTF32), which CI compiles as representative sets.
+MMA_F32_MAIN = ("mma_flash_fwd<float,", "mma_flash_bwd<float,")
 
 
 def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
@@ -156,6 +160,26 @@ def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
              (96, Variant(causal=True, softcap=30.0, dropout=0.1).cpp_policy, "sm_89"),
              (32, Variant(causal=True, mask=True, bias="float").cpp_policy, "sm_80"))  # fmt: skip
     return [("mma", pm.FORWARD_SOURCE, cfg[d].name("float", pol), arch) for d, pol, arch in cases]
+
+
+def float32_jobs() -> list[tuple[str, str, str, str]]:
+    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative seven of its
+    8 configurations x policies x architectures (about 40 CPU-seconds): the D = 64 table tile causal on sm_80 and
+    sm_90a, and owning dQ (sm_80); a float bias (dbias, issue 17) at D = 64; D = 128 with a mask, a float bias,
+    a window and softcap/ALiBi (sm_90a), and with causal + softcap + dropout (sm_80); the 99 KB parts' D = 128
+    fallback (sm_86)."""
+    from cupyflash.plans import mma as pm
+    from cupyflash.variants import ARRAYS, BUILTIN, DROPOUT, Variant
+
+    src = pm.BACKWARD_SOURCE
+    t64, t128 = pm.BACKWARD_CONFIGS_F32[64], pm.BACKWARD_CONFIGS_F32[128]
+    plain, causal = BUILTIN[0].cpp_policy, BUILTIN[1].cpp_policy
+    return [("mma", src, t64.name("float", causal), "sm_80"), ("mma", src, t64.name("float", causal), "sm_90a"),
+            ("mma", src, t64.name("float", causal, own_dq=True), "sm_80"),
+            ("mma", src, t64.name("float", Variant(bias="float").cpp_policy), "sm_80"),
+            ("mma", src, t128.name("float", ARRAYS[1].cpp_policy), "sm_90a"),
+            ("mma", src, t128.name("float", DROPOUT[1].cpp_policy), "sm_80"),
+            ("mma", src, pm.BACKWARD_FALLBACKS_F32[128][-1].name("float", plain), "sm_86")]
 
 
 def own_dq_jobs() -> list[tuple[str, str, str, str]]:

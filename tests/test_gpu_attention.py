@@ -253,14 +253,14 @@ def test_dispatch_auto_and_explicit(rng):
     p = check_attention(q, k, v)
     expected = "wgmma" if lim.compute_capability == 90 else "mma" if lim.compute_capability >= 80 else "portable"
     assert dispatch.select(p, lim).NAME == expected
-    # float32: "auto" takes the portable family until kernels.mma.AUTO_FLOAT32; kernel="mma" runs it up to D = 128
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
-    f32 = "mma" if dispatch.families()["mma"].AUTO_FLOAT32 and lim.compute_capability >= 80 else "portable"
-    assert dispatch.select(check_attention(q32, k32, v32), lim).NAME == f32
-    q192 = cupy.asarray(rng.standard_normal((1, 2, 8, 192)).astype(np.float32))
-    assert dispatch.select(check_attention(q192, q192, q192), lim).NAME == "portable"
-    with pytest.raises(TypeError, match="mma"):
-        cupyflash.attention(q192, q192, q192, kernel="mma")
+    # float32 runs on the mma family (3xTF32) on sm_80+ up to D = 128, on the portable one past it or below sm_80
+    assert dispatch.select(check_attention(q32, k32, v32), lim).NAME == ("mma" if lim.compute_capability >= 80
+                                                                         else "portable")
+    wide = cupy.asarray(rng.standard_normal((1, 2, 64, 136)).astype(np.float32))
+    assert dispatch.select(check_attention(wide, wide, wide), lim).NAME == "portable"
+    with pytest.raises(TypeError, match="mma" if lim.compute_capability < 80 else "D <= 128"):
+        cupyflash.attention(wide, wide, wide, kernel="mma")
 
 
 def test_empty_and_keyless(rng):

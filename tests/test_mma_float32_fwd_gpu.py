@@ -201,8 +201,8 @@ def test_repeated_runs_are_bit_identical(rng):
 
 
 def test_refusals_and_auto(rng):
-    """kernel="mma" refuses D = 192 and D = 59 with the reason; "auto" runs float32 on the portable family (until
-    kernels.mma.AUTO_FLOAT32); the float32 backward is not on this family yet."""
+    """kernel="mma" refuses D = 192 and D = 59 with the reason, and "auto" runs them on the portable family; "auto"
+    runs float32 D = 64 on this family, forward and backward."""
     from cupyflash.kernels import dispatch
     from cupyflash.plans import DeviceLimits
 
@@ -213,10 +213,7 @@ def test_refusals_and_auto(rng):
             cupyflash.attention(q, k, v, kernel="mma")
         assert dispatch.select(check_attention(q, k, v), lim).NAME == "portable"
     q, k, v = (cupy.asarray(x) for x in _qkv(rng, 1, 2, 2, 8, 8, 64))
-    assert dispatch.select(check_attention(q, k, v), lim).NAME == ("mma" if _mma().AUTO_FLOAT32 else "portable")
-    o, lse = cupyflash.attention_forward(q, k, v, kernel="mma")
-    with pytest.raises(TypeError, match="float32 backward"):
-        cupyflash.attention_backward(cupy.ones_like(o), q, k, v, o, lse, kernel="mma")
+    assert dispatch.select(check_attention(q, k, v), lim).NAME == "mma"
 
 
 def test_relative_error_is_well_under_the_bound(rng):

@@ -139,20 +139,27 @@ def test_supports():
     assert family.supports(problem(), H100) is None
     assert family.supports(problem(dtype=_dtypes.BFLOAT16, d=256), A100) is None
     assert family.supports(problem(d=40), RTX4090) is None
-    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32 forward
+    assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32
+    assert family.supports(problem(dtype=_dtypes.FLOAT32, d=128), RTX4090) is None  # fallback tiles on 99 KB
+    assert "float32 on tensor cores needs D <= 128" in family.supports(problem(dtype=_dtypes.FLOAT32, d=136), H100)
     assert family.supports(problem(dtype=np.float64), H100) is not None
     assert family.supports(problem(), T4) is not None
     assert family.supports(problem(d=41), H100) is not None  # rows of D % 8 != 0 elements: portable family
 
 
-class _FakeArray:
-    """Just what rows_aligned reads: shape, strides, itemsize and data.ptr."""
+def test_float32_dispatch():
+    # kernel="auto" takes the mma family for float32 on sm_80+ up to D = 128 (3xTF32 forward and backward), the
+    # portable one past it or below sm_80; kernel="mma" says why not
+    from cupyflash.kernels import dispatch
 
-    def __init__(self, shape, strides_elems, itemsize=2, ptr=1 << 20):
-        self.shape = shape
-        self.itemsize = itemsize
-        self.strides = tuple(s * itemsize for s in strides_elems)
-        self.data = type("Mem", (), {"ptr": ptr})()
+    f32 = problem(dtype=_dtypes.FLOAT32)
+    for limits in (A100, H100, RTX4090):
+        assert dispatch.select(f32, limits).NAME == "mma"
+        assert dispatch.select(f32, limits, "mma") is family
+    assert dispatch.select(f32, T4).NAME == "portable"
+    assert dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100).NAME == "portable"
+    with pytest.raises(TypeError, match="float32 on tensor cores needs D <= 128"):
+        dispatch.select(problem(dtype=_dtypes.FLOAT32, d=136), H100, "mma")
 
 
 def test_rows_aligned_checks_pointer_and_strides():
@@ -218,37 +225,15 @@ def test_supports_float32_up_to_d128():
     f32 = _dtypes.FLOAT32
     for d in (8, 16, 40, 64, 96, 128):
         assert family.supports(problem(d=d, dtype=f32), H100) is None, d
-        for limits in DEVICES.values():  # where the 16-bit types go, float32 goes (the backward decides on 99 KB)
-            assert family.supports(problem(d=d, dtype=f32), limits) == family.supports(problem(d=d), limits)
+        for limits in DEVICES.values():  # where the 16-bit types go, float32 goes (its fallback tiles fit 99 KB)
+            if family.supports(problem(d=d), limits) is None:
+                assert family.supports(problem(d=d, dtype=f32), limits) is None, (d, limits)
     for d in (136, 192, 256):
         assert "D <= 128" in family.supports(problem(d=d, dtype=f32), H100)
     assert family.supports(problem(d=60, dtype=f32), H100) is not None  # D % 8
     flex = AttentionProblem((2,), 8, 2, 100, 100, 64, np.dtype(f32), Variant(flex=object()), 0.125, "cupy")
     assert "mask_mod/score_mod" in family.supports(flex, H100)
     assert family.supports(problem(dtype=f32), T4) is not None
-
-
-def test_auto_leaves_float32_to_portable_until_the_backward_lands():
-    from cupyflash.kernels import dispatch
-
-    f32 = problem(dtype=_dtypes.FLOAT32)
-    # kernels.mma.AUTO_FLOAT32 (the flip: True, once the float32 backward is on this family too)
-    assert dispatch.select(f32, H100).NAME == ("mma" if family.AUTO_FLOAT32 else "portable")
-    assert dispatch.select(f32, A100, "mma").NAME == "mma"
-    assert dispatch.select(problem(), A100).NAME == "mma"  # 16-bit: unchanged
-    with pytest.raises(TypeError, match="float32 on tensor cores needs D <= 128"):
-        dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100, "mma")
-    with pytest.raises(TypeError, match="no float32 backward"):
-        family.backward_plan(f32, None, H100)
-
-
-def test_the_float32_flip_is_one_flag(monkeypatch):
-    from cupyflash.kernels import dispatch
-
-    monkeypatch.setattr(family, "AUTO_FLOAT32", True)
-    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), H100).NAME == "mma"
-    assert dispatch.select(problem(d=192, dtype=_dtypes.FLOAT32), H100).NAME == "portable"
-    assert dispatch.select(problem(dtype=_dtypes.FLOAT32), T4).NAME == "portable"
 
 
 def test_instantiations_cover_every_config_once():
@@ -265,9 +250,74 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.variants import BUILTIN
 
     mains = len(plans.FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS) + len(plans.BACKWARD_FALLBACKS)
-    # 16-bit dtypes x (main kernels x policies + 3 Deltas, 2 converts), and the float32 forwards x policies
-    f32 = [*plans.FORWARD_CONFIGS_F32.values(), *(c for cs in plans.FORWARD_FALLBACKS_F32.values() for c in cs)]
-    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + len(f32) * len(BUILTIN)
+    f32_fwd = plans.forward_configs_f32()
+    f32 = len(plans.backward_configs_f32())
+    # dtypes x (main kernels x policies + 3 Deltas, 2 converts), float32's forwards x policies, and its backward the
+    # same way as a 16-bit dtype
+    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + (len(f32_fwd) + f32) * len(BUILTIN) + 5
     for v in BUILTIN:
-        for cfg in f32:
+        for cfg in f32_fwd:
             assert (plans.FORWARD_SOURCE, cfg.name("float", v.cpp_policy)) in inst
+    for cfg in plans.backward_configs_f32():
+        assert cfg.name("float", POL) in names
+    assert {f"mma_bwd_delta<float, {n}>" for n in (8, 16, 32)} <= names
+    assert {f"mma_bwd_dq_convert<float, {n}>" for n in (16, 32)} <= names
+
+
+# ---------------------------------------------------------------------------- float32 (3xTF32) backward
+
+
+def test_float32_backward_tables():
+    assert set(plans.BACKWARD_CONFIGS_F32) == {32, 64, 96, 128}  # D <= 128 (kernels.mma.MAX_D_F32)
+    for pd, cfg in plans.BACKWARD_CONFIGS_F32.items():
+        assert cfg.d == pd and cfg.elem == 4 and cfg.d_split == 1
+        assert plans.backward_config(pd, H100, elem=4) == cfg
+        # one block of 8 warps an SM on an H100 (the smem of two does not fit, except at D = 32)
+        assert cfg.warps == 8 and cfg.shared_bytes <= H100.max_shared_per_block
+    for pd, cfgs in plans.BACKWARD_FALLBACKS_F32.items():
+        for cfg in cfgs:
+            assert cfg.d == pd and cfg.elem == 4 and cfg.shared_bytes < plans.BACKWARD_CONFIGS_F32[pd].shared_bytes
+    for d in (192, 256, 257):
+        assert plans.backward_config(d, H100, elem=4) is None
+    # A100: the tables but D = 128; 99 KB parts: a fallback at every D but 32
+    assert [plans.backward_config(d, A100, elem=4) for d in (32, 64, 96, 128)] == [
+        *(plans.BACKWARD_CONFIGS_F32[d] for d in (32, 64, 96)), plans.BACKWARD_FALLBACKS_F32[128][0]]
+    for d in (64, 96, 128):
+        cfg = plans.backward_config(d, RTX4090, elem=4)
+        assert cfg in plans.BACKWARD_FALLBACKS_F32[d] and cfg.shared_bytes <= RTX4090.max_shared_per_block
+    assert plans.backward_config(32, RTX4090, elem=4) == plans.BACKWARD_CONFIGS_F32[32]
+    # the 16-bit tables are unchanged by elem's default
+    assert plans.backward_config(64, H100) == plans.BACKWARD_CONFIGS[64]
+
+
+def test_float32_shared_bytes_are_float_tiles():
+    # K_j, V_j and the Q_i/dO_i ring in rows of 4 d bytes (TileLayout<2 d>), dS^T in floats, the lse/Delta ring
+    b = plans.BackwardConfig(64, br=64, key_warps=8, elem=4)
+    assert b.shared_bytes == 2 * 128 * 64 * 4 + 4 * 64 * 64 * 4 + 128 * 64 * 4 + 4 * 64 * 4
+    b16 = plans.BackwardConfig(128, br=16, key_warps=2, elem=4)  # dS^T of 32 16-bit units a row: padded by one chunk
+    assert b16.shared_bytes == 2 * 32 * 128 * 4 + 4 * 16 * 128 * 4 + 32 * (32 + 8) * 2 + 4 * 16 * 4
+    assert b.name("float", POL) == f"mma_flash_bwd<float, 64, 64, 8, 1, 2, 1, 1, {POL}>"
+
+
+def test_float32_tiles_are_what_the_kernel_asserts():
+    for cfg in plans.backward_configs_f32():
+        kds = cfg.d // cfg.d_split
+        row_warps = min(cfg.br // 16, cfg.warps)
+        assert kds % 16 == 0 and cfg.br % 16 == 0 and (cfg.br // 8) % (2 * cfg.dp_chunks) == 0
+        assert cfg.warps % row_warps == 0 and (cfg.d // (cfg.warps // row_warps)) % 8 == 0  # n8 dQ tiles
+
+
+def test_plan_backward_float32():
+    plan = plans.plan_backward(2, 8, 2, 1000, 777, 128, "float", H100)
+    cfg = plans.BACKWARD_CONFIGS_F32[128]
+    assert plan.config == cfg and plan.main.shared_bytes == cfg.shared_bytes
+    assert plan.main.name == cfg.name("float", POL) and plan.main.grid == (cdiv(777, cfg.bc), 4, 1)
+    # Delta: a 16-byte load holds 4 floats, so twice the lanes of a 16-bit row; the conversion as for 16 bits
+    for d, lanes, clanes in ((32, 8, 16), (40, 16, 16), (64, 16, 16), (72, 32, 32), (128, 32, 32)):
+        pd = plans.plan_backward(1, 2, 2, 100, 300, d, "float", H100)
+        assert pd.delta_lanes == lanes and pd.delta.name == f"mma_bwd_delta<float, {lanes}>" and lanes * 4 >= d
+        assert pd.convert.name == f"mma_bwd_dq_convert<float, {clanes}>"
+    own = plans.plan_backward(1, 2, 2, 100, 100, 64, "float", H100)
+    assert own.own_dq and own.main.name == plans.BACKWARD_CONFIGS_F32[64].name("float", POL, own_dq=True)
+    with pytest.raises(ValueError, match="no mma backward configuration"):
+        plans.plan_backward(1, 1, 1, 10, 10, 192, "float", H100)

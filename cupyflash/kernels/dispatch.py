@@ -43,18 +43,11 @@ def select(p: AttentionProblem, limits: DeviceLimits, kernel: str = "auto", alig
         return table[kernel]
     reasons = {}
     for name, fam in table.items():
-        why = reasons[name] = reason(fam, p, limits, aligned) or _auto_reason(fam, p)
+        why = reasons[name] = reason(fam, p, limits, aligned)
         if why is None:
             return fam
     detail = "; ".join(f"{name} {why}" for name, why in reasons.items())
     raise TypeError(f"no kernel family can run this call ({_describe(p)}): {detail}")
-
-
-def _auto_reason(fam: ModuleType, p: AttentionProblem) -> str | None:
-    """Why "auto" passes over a family that could run the call (a family's optional ``auto_reason``: a path that
-    runs only when named, e.g. while its other pass is not built)."""
-    auto_reason = getattr(fam, "auto_reason", None)
-    return auto_reason(p) if auto_reason is not None else None
 
 
 def _describe(p: AttentionProblem) -> str:

@@ -4,8 +4,6 @@ A family (``portable``, ``mma``, ``wgmma``) is a module with:
 
 - ``NAME`` and ``NEEDS_ALIGNED_ROWS`` (16-byte aligned rows for vector loads / cp.async),
 - ``supports(problem, limits) -> str | None``: ``None`` if it can run the problem, else the reason,
-- optionally ``auto_reason(problem) -> str | None``: why ``kernel="auto"`` passes over a problem it supports
-  (a path that runs only when named, as the mma family's float32 forward until its backward lands),
 - ``forward_plan(problem, geometry, limits) -> CallPlan`` and ``backward_plan(...)``: pure functions of
   the call's signature (no GPU work), so the API caches them per signature,
 - ``instantiations() -> list[(source, name expression)]``: everything it may launch with the built-in

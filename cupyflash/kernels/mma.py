@@ -1,5 +1,5 @@
-"""Tensor-core FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) on sm_80+: fp16/bf16, and float32 in the
-forward as 3xTF32 (D <= 128; cuda_src/mma_tf32.cuh).
+"""Tensor-core FlashAttention-2 kernels (mma.sync, ldmatrix, cp.async) on sm_80+: fp16/bf16, and float32 as 3xTF32
+(m16n8k8 .tf32 on hi/lo split operands, about float32's accuracy; cuda_src/mma_tf32.cuh) up to D = 128.
 
 Geometry comes from ``plans.mma``; this module turns a problem into the family's ``CallPlan``s
 (``kernels/family.py``). The kernels copy 16-byte chunks of every row with cp.async, so they need
@@ -19,10 +19,7 @@ from .tensorcore import backward_call, ctype, forward_call
 NAME = "mma"
 NEEDS_ALIGNED_ROWS = True
 MIN_COMPUTE_CAPABILITY = 80
-_ROW_ALIGN = 8  # elements per 16 bytes of a 16-bit row (float32 rows keep the same rule)
-#: Whether kernel="auto" sends float32 here. Not until the float32 backward (3xTF32) lands beside the forward: until
-#: then "auto" leaves float32 to the portable family, and kernel="mma" runs this forward.
-AUTO_FLOAT32 = False
+_ROW_ALIGN = 8  # elements per 16 bytes of a 16-bit row (float32 rows keep the same rule: 32-byte multiples)
 
 
 def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
@@ -37,15 +34,9 @@ def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
         return f"float32 on tensor cores needs D <= {plans.MAX_D_F32} (got D={p.d})"
     if f32 and p.variant.flex is not None:  # NVRTC 13.5: D = 64 with a block mask and a score_mod spilled 328 B
         return "runs mask_mod/score_mod snippets in float16/bfloat16 only (the float32 forward at 255 registers spills)"
-    if plans.forward_config(p.d, limits, 4 if f32 else 2) is None or plans.backward_config(p.d, limits) is None:
+    elem = plans.ELEM_OF[ctype(p)]
+    if plans.forward_config(p.d, limits, elem) is None or plans.backward_config(p.d, limits, elem) is None:
         return f"has no tile configuration for D={p.d} within {limits.max_shared_per_block} B of shared memory"
-    return None
-
-
-def auto_reason(p: AttentionProblem) -> str | None:
-    """Why kernel="auto" passes over a call this family supports (None: it takes it)."""
-    if not AUTO_FLOAT32 and np.dtype(p.dtype) == _dtypes.FLOAT32:
-        return "runs float32 only when named (kernel='mma'): its float32 backward is not built yet"
     return None
 
 
@@ -66,9 +57,6 @@ def backward_plan(
     p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.AnyBackwardConfig | None = None,
     deterministic: bool = False,
 ) -> CallPlan:
-    if np.dtype(p.dtype) == _dtypes.FLOAT32:
-        raise TypeError("kernel='mma' has no float32 backward yet (the float32 forward runs as 3xTF32): use "
-                        "kernel='portable' for the backward")  # fmt: skip
     plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant,
                                total=p.total_k if p.varlen else None)  # fmt: skip
     return backward_call(plan, p, g, deterministic, limits.sm_count)

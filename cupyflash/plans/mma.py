@@ -10,8 +10,8 @@ from typing import Any
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
-from .tensorcore import (CONVERT_LANES, DELTA_LANES, MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around,
-                         owns_dq)
+from .tensorcore import (CONVERT_LANES, DELTA_LANES, DELTA_LANES_F32, MAX_GRID_Y, BackwardPlan, ForwardPlan,
+                         backward_plan_around, owns_dq)
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -86,6 +86,7 @@ class BackwardConfig:
     stages: int = 2  # depth of the Q_i/dO_i cp.async ring
     min_blocks: int = 1
     dp_chunks: int = 1  # dP^T computed in this many query chunks (fewer live registers)
+    elem: int = _ELEM  # bytes per element: 2 (fp16/bf16), 4 (float32, 3xTF32: tiles of 2 d 16-bit units a row)
 
     @property
     def bc(self) -> int:
@@ -101,13 +102,16 @@ class BackwardConfig:
 
     @property
     def shared_bytes(self) -> int:
-        kv = 2 * self.bc * _pitch(self.d) * _ELEM
-        q_do = 2 * self.stages * self.br * _pitch(self.d) * _ELEM  # Q_i and dO_i ring
-        ds = self.bc * _pitch(self.br) * _ELEM
+        w = self.elem // _ELEM  # 16-bit units per element: a float tile is TileLayout<2 d> (mma_tf32.cuh)
+        kv = 2 * self.bc * _pitch(w * self.d) * _ELEM
+        q_do = 2 * self.stages * self.br * _pitch(w * self.d) * _ELEM  # Q_i and dO_i ring
+        ds = self.bc * _pitch(w * self.br) * _ELEM  # dS^T in the element type (float32: not rounded)
         stats = 2 * self.stages * self.br * 4  # lse and Delta ring
         return kv + q_do + ds + stats
 
     def name(self, ctype: str, policy: str, own_dq: bool = False) -> str:
+        if ELEM_OF[ctype] != self.elem:
+            raise ValueError(f"{ctype} has {ELEM_OF[ctype]}-byte elements; this backward configuration {self.elem}")
         return (
             f"mma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.key_warps}, {self.d_split}, {self.stages}, "
             f"{self.min_blocks}, {self.dp_chunks}, {policy}{', true' if own_dq else ''}>"  # kOwnDQ: dq_own.cuh
@@ -217,6 +221,34 @@ BACKWARD_FALLBACKS: dict[int, BackwardConfig] = {
 }
 
 
+# float32 (3xTF32 on m16n8k8, cuda_src/mma_bwd_tf32.cuh): every tile is twice the bytes of a 16-bit one and the
+# dK_j/dV_j accumulators are the same D f32 registers a thread (kDSplit = 1), beside P^T (Br / 2) and dP^T (Br / 2
+# a chunk) and the split hi/lo operands. 8 key warps (Bc = 128) share each Q_i/dO_i tile, and Br shrinks with D so
+# that K_j, V_j and a 2-deep Q_i/dO_i ring fit one block an SM (H100: 227 KB a block, 228 KB an SM, 64K registers):
+#   D = 32:  Br = 64, 97 KB: one block of 8 warps an SM by registers (182, NVRTC 13.5 sm_90a: two would need <= 128)
+#   D = 64:  Br = 64, 161 KB: one block (acc 64 + P^T 32 + dP^T 32; 204 registers)
+#   D = 96:  Br = 32, 170 KB: one block (acc 96 + P^T 16 + dP^T 16; 191 registers)
+#   D = 128: Br = 32, 209 KB: one block (acc 128 + P^T 16 + dP^T 16; 225 registers); a d split would redo S^T and
+#            dP^T (+40% flops)
+# Not yet tuned on a GPU (benchmarks/dev_mma_f32_bwd.py --sweep times alternatives). D = 192/256 are not built for
+# float32 (dK_j/dV_j alone would take 192-256 registers, or a d split).
+BACKWARD_CONFIGS_F32: dict[int, BackwardConfig] = {
+    32: BackwardConfig(32, br=64, key_warps=8, elem=4),
+    64: BackwardConfig(64, br=64, key_warps=8, elem=4),
+    96: BackwardConfig(96, br=32, key_warps=8, elem=4),
+    128: BackwardConfig(128, br=32, key_warps=8, elem=4),
+}
+
+# Smaller float32 tiles where shared memory per block is short of the above, tried in order. An A100 (163 KB) runs
+# every table entry but D = 128, which gets 4 key warps (137 KB, 1 block of 4 warps an SM); the 99 KB of sm_86/sm_89
+# take the others: 4 key warps at D = 64 (73 KB), Br = 16 at D = 96 (77 KB) and 2 key warps, Br = 16 at D = 128
+# (67 KB): built so that float32 runs wherever the 16-bit backward does, not tuned.
+BACKWARD_FALLBACKS_F32: dict[int, tuple[BackwardConfig, ...]] = {
+    64: (BackwardConfig(64, br=32, key_warps=4, elem=4),),
+    96: (BackwardConfig(96, br=16, key_warps=4, elem=4),),
+    128: (BackwardConfig(128, br=32, key_warps=4, elem=4), BackwardConfig(128, br=16, key_warps=2, elem=4)),
+}
+
 def _heads_on_x(longest_first: bool, heads: int, tiles: int = 1) -> bool:
     """Grid (B*H, tiles) -- heads fastest -- when tiles differ in work (causal: every head's longest tiles go first);
     (tiles, B*H) otherwise, so that one head's blocks run together and share its K/V (forward) or
@@ -240,11 +272,18 @@ def forward_config(d: int, limits: DeviceLimits, elem: int = _ELEM) -> ForwardCo
     return next((c for c in tried if c.shared_bytes <= limits.max_shared_per_block), None)
 
 
-def backward_config(d: int, limits: DeviceLimits) -> AnyBackwardConfig | None:
+def backward_config(d: int, limits: DeviceLimits, elem: int = _ELEM) -> AnyBackwardConfig | None:
+    """The backward tiles for head dim d (``elem``: bytes per element; 4 is float32, D <= 128), the first of the
+    table's and its fallbacks' that fits the device's shared memory, or None."""
     pd = padded_head_dim(d)
     if pd is None:
         return None
-    for cfg in (BACKWARD_CONFIGS[pd], BACKWARD_FALLBACKS.get(pd)):
+    if elem == 4:  # float32
+        candidates: tuple[AnyBackwardConfig | None, ...] = (
+            (BACKWARD_CONFIGS_F32[pd], *BACKWARD_FALLBACKS_F32.get(pd, ())) if pd in BACKWARD_CONFIGS_F32 else ())
+    else:
+        candidates = (BACKWARD_CONFIGS[pd], BACKWARD_FALLBACKS.get(pd))
+    for cfg in candidates:
         if cfg is not None and cfg.shared_bytes <= limits.max_shared_per_block:
             return cfg
     return None
@@ -290,9 +329,10 @@ def plan_backward(
 ) -> BackwardPlan:
     """Grid over (B*Hk, key tiles) for the main kernel, in the order _heads_on_x picks; one warp per query
     row for the helpers, which the main kernel does itself when a key tile covers every key (``owns_dq``)."""
-    cfg = config or backward_config(d, limits)
+    cfg = config or backward_config(d, limits, ELEM_OF[ctype])
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
-        raise ValueError(f"no mma backward configuration for D={d} within {limits.max_shared_per_block} B of smem")
+        raise ValueError(f"no mma backward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
+                         "of smem")
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
@@ -305,7 +345,7 @@ def plan_backward(
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN,
                    f32: bool = True) -> list[tuple[str, str]]:  # fmt: skip
     """Every (source, name expression) the family can launch with the policies of ``variants``: the 16-bit
-    ``ctypes``' forwards and backwards, and the float32 forwards (``f32``)."""
+    ``ctypes``' forwards and backwards, and the float32 forwards and backwards (``f32``)."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for pol in (v.cpp_policy for v in variants):
@@ -316,6 +356,31 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
         out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<{ct}, {lanes}>") for lanes in CONVERT_LANES]
     if f32:
         for pol in (v.cpp_policy for v in variants):
-            out += [(FORWARD_SOURCE, c.name("float", pol)) for c in FORWARD_CONFIGS_F32.values()]
-            out += [(FORWARD_SOURCE, c.name("float", pol)) for cs in FORWARD_FALLBACKS_F32.values() for c in cs]
+            out += [(FORWARD_SOURCE, c.name("float", pol)) for c in forward_configs_f32()]
+        out += backward_instantiations_f32(variants)
+    return out
+
+
+def forward_configs_f32() -> list[ForwardConfig]:
+    """Every float32 forward configuration (tables and fallbacks)."""
+    return [*FORWARD_CONFIGS_F32.values(), *(c for cs in FORWARD_FALLBACKS_F32.values() for c in cs)]
+
+
+def backward_configs_f32() -> list[BackwardConfig]:
+    """Every float32 backward configuration (tables and fallbacks), each once."""
+    out: list[BackwardConfig] = []
+    for cfg in (*BACKWARD_CONFIGS_F32.values(), *(c for cs in BACKWARD_FALLBACKS_F32.values() for c in cs)):
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def backward_instantiations_f32(variants: tuple[Variant, ...] = BUILTIN) -> list[tuple[str, str]]:
+    """The float32 backward's (source, name expression) pairs: the main kernel of every configuration with the
+    policies of ``variants``, and the Delta and dQ-conversion kernels."""
+    out: list[tuple[str, str]] = []
+    for pol in (v.cpp_policy for v in variants):
+        out += [(BACKWARD_SOURCE, c.name("float", pol)) for c in backward_configs_f32()]
+    out += [(BACKWARD_SOURCE, f"mma_bwd_delta<float, {lanes}>") for lanes in DELTA_LANES_F32]
+    out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<float, {lanes}>") for lanes in CONVERT_LANES]
     return out

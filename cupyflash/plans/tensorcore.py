@@ -47,11 +47,15 @@ def owns_dq(key_tiles: int, total: int | None) -> bool:
 #: Every kLanes the Delta kernel and the dQ conversion take (delta_lanes, convert_lanes): what CI compiles.
 DELTA_LANES = (8, 16, 32)
 CONVERT_LANES = (16, 32)
+#: The float32 Delta kernel's (the mma family's float32 backward: D <= 128).
+DELTA_LANES_F32 = (8, 16, 32)
 
 
-def delta_lanes(d: int) -> int:
-    """Lanes per query row of the Delta kernel (mma_bwd_delta's kLanes): a 16-byte load of dO and O each per lane."""
-    return 8 if d <= 64 else 16 if d <= 128 else 32
+def delta_lanes(d: int, elem: int = 2) -> int:
+    """Lanes per query row of the Delta kernel (mma_bwd_delta's kLanes): a 16-byte load of dO and O each per lane,
+    16 / ``elem`` elements (8 for fp16/bf16, 4 for float32), as few lanes as cover the row."""
+    per = 16 // elem
+    return 8 if d <= 8 * per else 16 if d <= 16 * per else 32
 
 
 def convert_lanes(d: int) -> int:
@@ -67,7 +71,7 @@ def backward_plan_around(
     a row) and the dQ conversion (``convert_lanes(d)``) around it (``own_dq``: the main kernel does their work)."""
     rows = batch * hq * nq
     block = (AUX_THREADS, 1, 1)
-    lanes, clanes = delta_lanes(d), convert_lanes(d)
+    lanes, clanes = delta_lanes(d, 4 if ctype == "float" else 2), convert_lanes(d)
     return BackwardPlan(
         config=cfg,
         delta=LaunchPlan(HELPER_SOURCE, f"mma_bwd_delta<{ctype}, {lanes}>", _aux_grid(rows, lanes), block, 0),
