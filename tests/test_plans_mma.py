@@ -142,6 +142,8 @@ def test_supports():
     assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32
     assert family.supports(problem(dtype=_dtypes.FLOAT32, d=128), RTX4090) is None  # fallback tiles on 99 KB
     assert "float32 on tensor cores needs D <= 128" in family.supports(problem(dtype=_dtypes.FLOAT32, d=136), H100)
+    assert "Nq <= 4096" in family.supports(problem(dtype=_dtypes.FLOAT32, nq=plans.MAX_NQ_F32 + 1), H100)
+    assert family.supports(problem(dtype=_dtypes.FLOAT32, nq=plans.MAX_NQ_F32), H100) is None
     assert family.supports(problem(dtype=np.float64), H100) is not None
     assert family.supports(problem(), T4) is not None
     assert family.supports(problem(d=41), H100) is not None  # rows of D % 8 != 0 elements: portable family

@@ -32,6 +32,9 @@ def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
         return f"needs a head dim that is a multiple of 8 (got D={p.d})"
     if f32 and p.d > plans.MAX_D_F32:
         return f"float32 on tensor cores needs D <= {plans.MAX_D_F32} (got D={p.d})"
+    if f32 and p.nq > plans.MAX_NQ_F32:
+        return (f"float32 on tensor cores needs Nq <= {plans.MAX_NQ_F32} (got Nq={p.nq}): past it the backward's "
+                "dK/dV sums drift toward the 1e-4 bound")
     if f32 and p.variant.flex is not None:  # NVRTC 13.5: D = 64 with a block mask and a score_mod spilled 328 B
         return "runs mask_mod/score_mod snippets in float16/bfloat16 only (the float32 forward at 255 registers spills)"
     elem = plans.ELEM_OF[ctype(p)]

@@ -194,6 +194,14 @@ FORWARD_FALLBACKS_F32: dict[int, tuple[ForwardConfig, ...]] = {
     128: (ForwardConfig(128, br=128, bc=16, warps=8, elem=4),),
 }
 
+#: The most query rows a float32 call takes (kernels.mma.supports; longer ones run on the portable family). The
+#: tensor cores add into their accumulator with truncation, a bias that grows with the length of a sum: the forward
+#: sums P V a key tile at a time (exact at any N), but the backward's dK_j/dV_j sum over every query in registers:
+#: measured 8e-6..1.1e-5 relative at Nq = 1024 and 3.0e-5..4.5e-5 at 4096 (H100, dev_mma_f32_bwd.py), linear in Nq,
+#: against the 1e-4 bound. Flushing them to dk/dv every 1024 queries would lift it but spills 160-320 B at D = 128
+#: (benchmarks/NOTES.md).
+MAX_NQ_F32 = 4096
+
 #: The largest head dim the float32 forward takes (FORWARD_CONFIGS_F32).
 MAX_D_F32 = max(FORWARD_CONFIGS_F32)
 
