@@ -20,16 +20,18 @@ from cupyflash import _dtypes
 def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
-    cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", _dtypes.FLOAT16), ("mma", _dtypes.BFLOAT16)]
+    # float32 runs on the mma family too (3xTF32, plans.mma.MAX_NQ_F32).
+    cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", dt) for dt in _dtypes.SUPPORTED]
     if cupy.cuda.Device().compute_capability == "90":
         cases += [("wgmma", _dtypes.FLOAT16), ("wgmma", _dtypes.BFLOAT16)]
     for kernel, dtype in cases:
         for (hq, hk, nq, nk, d, causal) in [(2, 1, 17, 33, 40, True), (2, 2, 33, 17, 64, True), (1, 1, 70, 70, 128, False),
-                                               (2, 1, 70, 100, 128, True)]:
+                                               (2, 1, 70, 100, 128, True), (1, 1, 70, 130, 64, False)]:
             q = cupy.asarray(rng.standard_normal((1, hq, nq, d)).astype(dtype))
             k = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
             v = cupy.asarray(rng.standard_normal((1, hk, nk, d)).astype(dtype))
             do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
+            # The last shape reaches wgmma's warp-specialised forward at D = 64 (plans.wgmma.WS_DEFAULT).
             # The plain call, then every variant policy at once: a window, softcap, ALiBi and sinks.
             slopes = cupy.asarray(rng.random(hq).astype(np.float32))
             sinks = cupy.asarray(rng.standard_normal(hq).astype(np.float32))

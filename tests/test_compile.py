@@ -146,28 +146,31 @@ MMA_F32_MAIN = ("mma_flash_fwd<float,", "mma_flash_bwd<float,")
 
 def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
     """The mma family's float32 forwards (3xTF32, cuda_src/mma_tf32.cuh; 30 with the built-in policies, which would
-    add about 5 CPU-minutes of NVRTC over four architectures) as a representative six: the D = 64 tile with Window +
+    add about 5 CPU-minutes of NVRTC over four architectures) as a representative eight: the D = 64 tile with Window +
     softcap/ALiBi for sm_80 and sm_90a and Causal + softcap for sm_90a, the D = 128 fallback (99 KB parts) plain for
-    sm_86, D = 96 with causal, softcap and dropout for sm_89, and D = 32 with a mask and a float bias for sm_80. Every
+    sm_86, D = 96 with causal, softcap and dropout for sm_89, D = 32 with a mask and a float bias for sm_80, and the
+    small-grid tile (plans.mma.small_grid, D = 64) causal for sm_90a and plain for sm_80. Every
     float32 forward is listed by ``mma.instantiations()``; this is the subset built here (about 35 CPU-seconds)."""
     from cupyflash.plans import mma as pm
     from cupyflash.variants import Variant
 
-    cfg = {**pm.FORWARD_CONFIGS_F32, "128fb": pm.FORWARD_FALLBACKS_F32[128][0]}
+    cfg = {**pm.FORWARD_CONFIGS_F32, "128fb": pm.FORWARD_FALLBACKS_F32[128][0],
+           "64sg": pm.SMALL_GRID_FORWARD_F32[64]}
     window_mod = Variant(window=(8, 8), softcap=30.0).cpp_policy
     cases = ((64, window_mod, "sm_80"), (64, window_mod, "sm_90a"),
              (64, Variant(causal=True, softcap=30.0).cpp_policy, "sm_90a"), ("128fb", Variant().cpp_policy, "sm_86"),
              (96, Variant(causal=True, softcap=30.0, dropout=0.1).cpp_policy, "sm_89"),
-             (32, Variant(causal=True, mask=True, bias="float").cpp_policy, "sm_80"))  # fmt: skip
+             (32, Variant(causal=True, mask=True, bias="float").cpp_policy, "sm_80"),
+             ("64sg", Variant(causal=True).cpp_policy, "sm_90a"), ("64sg", Variant().cpp_policy, "sm_80"))  # fmt: skip
     return [("mma", pm.FORWARD_SOURCE, cfg[d].name("float", pol), arch) for d, pol, arch in cases]
 
 
 def float32_jobs() -> list[tuple[str, str, str, str]]:
-    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative seven of its
-    8 configurations x policies x architectures (about 40 CPU-seconds): the D = 64 table tile causal on sm_80 and
+    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative nine of its
+    9 configurations x policies x architectures (about 40 CPU-seconds): the D = 64 table tile causal on sm_80 and
     sm_90a, and owning dQ (sm_80); a float bias (dbias, issue 17) at D = 64; D = 128 with a mask, a float bias,
     a window and softcap/ALiBi (sm_90a), and with causal + softcap + dropout (sm_80); the 99 KB parts' D = 128
-    fallback (sm_86)."""
+    fallback (sm_86); the small-grid tiles (plans.mma.small_grid) at D = 64 causal (sm_80) and D = 128 (sm_90a)."""
     from cupyflash.plans import mma as pm
     from cupyflash.variants import ARRAYS, BUILTIN, DROPOUT, Variant
 
@@ -179,7 +182,9 @@ def float32_jobs() -> list[tuple[str, str, str, str]]:
             ("mma", src, t64.name("float", Variant(bias="float").cpp_policy), "sm_80"),
             ("mma", src, t128.name("float", ARRAYS[1].cpp_policy), "sm_90a"),
             ("mma", src, t128.name("float", DROPOUT[1].cpp_policy), "sm_80"),
-            ("mma", src, pm.BACKWARD_FALLBACKS_F32[128][-1].name("float", plain), "sm_86")]
+            ("mma", src, pm.BACKWARD_FALLBACKS_F32[128][-1].name("float", plain), "sm_86"),
+            *(("mma", src, pm.SMALL_GRID_BACKWARD_F32[d].name("float", pol), arch)
+              for d, pol, arch in ((64, causal, "sm_80"), (128, plain, "sm_90a")))]
 
 
 def own_dq_jobs() -> list[tuple[str, str, str, str]]:

@@ -139,13 +139,15 @@ def test_large_logits(rng):
 def _fallbacks():
     from cupyflash.plans import mma as plans
 
-    return [plans.BACKWARD_FALLBACKS_F32[64][0], plans.BACKWARD_FALLBACKS_F32[128][-1]]  # 99 KB parts' D = 64, 128
+    # 99 KB parts' D = 64, 128; the small-grid tiles (plans.mma.small_grid) and the D = 64 table's, forced
+    return [plans.BACKWARD_FALLBACKS_F32[64][0], plans.BACKWARD_FALLBACKS_F32[128][-1],
+            *plans.SMALL_GRID_BACKWARD_F32.values(), plans.BACKWARD_CONFIGS_F32[64], plans.BACKWARD_CONFIGS_F32[128]]
 
 
 @pytest.mark.parametrize("cfg", _fallbacks(), ids=lambda c: f"d{c.d}-br{c.br}-kw{c.key_warps}")
 def test_fallback_tiles(cfg, rng):
-    """Tiles that parts with less shared memory (sm_86/89) get, forced on this GPU (Br = 16: dS^T unswizzled); D
-    below the padded one (zero-filled columns) and GQA."""
+    """Tiles that parts with less shared memory (sm_86/89) get, and the small-grid and table tiles, forced on this
+    GPU (Br = 16: dS^T unswizzled); D below the padded one (zero-filled columns) and GQA."""
     q, k, v, do = _inputs(rng, 1, 4, 2, 300, 260, cfg.d - 8)
     got, ref = backward_poisoned(q, k, v, do, True, config=cfg)
     _check_grads(got, ref)

@@ -49,7 +49,7 @@ def _qkv(rng, b, hq, hk, nq, nk, d):
     return [rng.standard_normal(s).astype(F32) for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, d))]
 
 
-def run_forward(q, k, v, causal=False, scale=None, seed=None, **kw):
+def run_forward(q, k, v, causal=False, scale=None, seed=None, config=None, **kw):
     """The mma family's forward of host arrays into NaN-poisoned o and lse; host results."""
     from cupyflash.plans import DeviceLimits
 
@@ -62,6 +62,8 @@ def run_forward(q, k, v, causal=False, scale=None, seed=None, **kw):
     o = cupy.full(q.shape, np.nan, F32)
     lse = cupy.full(q.shape[:-1], np.nan, F32)
     options = {} if seed is None else {"dropout_seed": seed}
+    if config is not None:
+        options["config"] = config
     _mma().forward(qd, kd, vd, o, lse, p, variant_arrays=arrays, **options)
     return o.get(), lse.get()
 
@@ -107,6 +109,28 @@ def test_shapes(d, causal, rng):
     """Odd lengths, Nq != Nk both ways (causal: bottom-right aligned, keyless rows when Nq > Nk), GQA and MQA."""
     for shape in SHAPES:
         check(rng, shape, d, causal)
+
+
+def _table_and_small_grid_tiles():
+    from cupyflash.plans import mma as plans
+
+    return [plans.FORWARD_CONFIGS_F32[64], plans.SMALL_GRID_FORWARD_F32[64], plans.FORWARD_CONFIGS_F32[128]]
+
+
+@pytest.mark.parametrize("cfg", _table_and_small_grid_tiles(), ids=lambda c: f"d{c.d}-br{c.br}-bc{c.bc}-w{c.warps}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_table_and_small_grid_tiles(cfg, causal, rng):
+    """The tables' tiles and the small-grid one forced, whichever the plan would pick for the shape
+    (plans.mma.small_grid: the shapes above are small grids): odd lengths, Nq != Nk both ways, GQA, D below the
+    padded one."""
+    for shape in ((1, 4, 2, 100, 333), (2, 3, 1, 333, 100), (1, 2, 2, 1000, 1000)):
+        for d in (cfg.d, cfg.d - 8):
+            b, hq, hk, nq, nk = shape
+            q, k, v = _qkv(rng, b, hq, hk, nq, nk, d)
+            o, lse = run_forward(q, k, v, causal, config=cfg)
+            ro, rlse = reference.attention_forward(q, k, v, causal)
+            keyless = ~visible_mask(nq, nk, causal, None).any(axis=1)
+            assert_forward_close(o, lse, ro, rlse, keyless)
 
 
 @pytest.mark.parametrize("d", [64, 128])

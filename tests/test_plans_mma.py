@@ -310,10 +310,10 @@ def test_float32_tiles_are_what_the_kernel_asserts():
 
 
 def test_plan_backward_float32():
-    plan = plans.plan_backward(2, 8, 2, 1000, 777, 128, "float", H100)
+    plan = plans.plan_backward(8, 8, 2, 1000, 2777, 128, "float", H100)  # 16 x 22 blocks: no small grid
     cfg = plans.BACKWARD_CONFIGS_F32[128]
     assert plan.config == cfg and plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.name == cfg.name("float", POL) and plan.main.grid == (cdiv(777, cfg.bc), 4, 1)
+    assert plan.main.name == cfg.name("float", POL) and plan.main.grid == (cdiv(2777, cfg.bc), 16, 1)
     # Delta: a 16-byte load holds 4 floats, so twice the lanes of a 16-bit row; the conversion as for 16 bits
     for d, lanes, clanes in ((32, 8, 16), (40, 16, 16), (64, 16, 16), (72, 32, 32), (128, 32, 32)):
         pd = plans.plan_backward(1, 2, 2, 100, 300, d, "float", H100)
@@ -323,3 +323,31 @@ def test_plan_backward_float32():
     assert own.own_dq and own.main.name == plans.BACKWARD_CONFIGS_F32[64].name("float", POL, own_dq=True)
     with pytest.raises(ValueError, match="no mma backward configuration"):
         plans.plan_backward(1, 1, 1, 10, 10, 192, "float", H100)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_small_grids_take_the_half_tiles(d):  # D = 128: the backward only
+    """A float32 grid of table tiles that fills at most half the SMs (all of them under causal) takes the small-grid
+    tiles, twice the blocks; larger grids, 16-bit calls, an explicit config and a backward that owns dQ keep theirs."""
+    fwd = plans.FORWARD_CONFIGS_F32[d]
+    small_fwd = plans.SMALL_GRID_FORWARD_F32.get(d, fwd)
+    bwd, small_bwd = plans.BACKWARD_CONFIGS_F32[d], plans.SMALL_GRID_BACKWARD_F32[d]
+    assert small_fwd.br * 2 == fwd.br or d == 128
+    assert small_bwd.bc * 2 == bwd.bc
+    causal = Variant(causal=True)
+    for b, h, n, variant, small in ((1, 16, 512, Variant(), True), (4, 12, 256, Variant(), False),
+                                    (4, 12, 256, causal, True), (4, 12, 512, causal, False)):
+        f = plans.plan_forward(b, h, n, d, "float", H100, variant=variant)
+        assert f.config == (small_fwd if small else fwd)
+        assert f.main.grid[0] * f.main.grid[1] == b * h * cdiv(n, f.config.br)
+        k = plans.plan_backward(b, h, h, n, n, d, "float", H100, variant=variant)
+        assert k.config == (small_bwd if small else bwd) and not k.own_dq
+        assert k.main.grid[0] * k.main.grid[1] == b * h * cdiv(n, k.config.bc)
+    assert plans.small_grid(66, False, 132) and not plans.small_grid(67, False, 132)
+    assert plans.small_grid(132, True, 132) and not plans.small_grid(133, True, 132)
+    assert plans.plan_forward(1, 16, 512, d, "__half", H100).config == plans.FORWARD_CONFIGS[d]
+    assert plans.plan_forward(1, 16, 512, d, "float", H100, config=fwd).config == fwd
+    own = plans.plan_backward(1, 2, 2, 100, 100, d, "float", H100)  # one key tile: one launch, the table's tile
+    assert own.own_dq and own.config == bwd
+    names = {n for _, n in plans.instantiations()}
+    assert small_fwd.name("float", POL) in names and small_bwd.name("float", POL) in names

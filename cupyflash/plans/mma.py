@@ -194,6 +194,36 @@ FORWARD_FALLBACKS_F32: dict[int, tuple[ForwardConfig, ...]] = {
     128: (ForwardConfig(128, br=128, bc=16, warps=8, elem=4),),
 }
 
+# float32 grids that leave SMs idle take tiles of half the rows (forward) or keys (backward): twice the blocks, each
+# with half the work, since one block of the tables keeps an SM busy alone (one block an SM). Used where the table's
+# grid fills at most half the SMs, or all of them when tiles differ in work (causal: the longest-first order balances
+# finer tiles better); not where the table's backward owns dQ (one launch, kOwnDQ). Measured through the API
+# (benchmarks/dev_f32_small.py, H100, 132 SMs, GPU us per call): B=1 H=16 N=512 (64 blocks) forward D = 64
+# 49.4 -> 32.8, backward D = 64 108.3 -> 82.6, D = 128 218.1 -> 166.4; causal B=4 H=12 N=256 D = 64 (96 blocks)
+# forward 28.1 -> 24.1, backward 63.4 -> 53.3; non-causal at 96-128 blocks they lost (0.70-0.92x).
+SMALL_GRID_FORWARD_F32: dict[int, ForwardConfig] = {
+    64: ForwardConfig(64, br=64, bc=32, warps=4, elem=4),  # D = 128 with Br 64, Bc 32: 4 B of spill (sm_80), 1.09x
+}
+SMALL_GRID_BACKWARD_F32: dict[int, BackwardConfig] = {
+    64: BackwardConfig(64, br=64, key_warps=4, elem=4),
+    128: BackwardConfig(128, br=32, key_warps=4, elem=4),
+}
+
+
+def small_grid(blocks: int, longest_first: bool, sm_count: int) -> bool:
+    """Does a float32 grid of ``blocks`` table tiles leave enough SMs idle for the half tiles (SMALL_GRID_*_F32)?"""
+    return blocks * (1 if longest_first else 2) <= sm_count
+
+
+def _small_grid_config(table: AnyBackwardConfig | ForwardConfig, small: dict, blocks: int, variant: Variant,
+                       limits: DeviceLimits) -> AnyBackwardConfig | ForwardConfig:
+    """``table``, or its half-size float32 tile where the table's grid of ``blocks`` leaves SMs idle."""
+    alt = small.get(table.d) if getattr(table, "elem", _ELEM) == 4 else None
+    if alt is None or alt.shared_bytes > limits.max_shared_per_block:
+        return table
+    return alt if small_grid(blocks, variant.longest_first, limits.sm_count) else table
+
+
 #: The most query rows a float32 call takes (kernels.mma.supports; longer ones run on the portable family). The
 #: tensor cores add into their accumulator with truncation, a bias that grows with the length of a sum: the forward
 #: sums P V a key tile at a time (exact at any N), but the backward's dK_j/dV_j sum over every query in registers:
@@ -315,6 +345,9 @@ def plan_forward(
         raise ValueError(f"no mma forward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
                          "of smem")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
+    if config is None:
+        cfg = _small_grid_config(cfg, SMALL_GRID_FORWARD_F32, heads * tiles, variant, limits)
+        heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     name = cfg.name(ctype, variant.cpp_policy)
@@ -342,6 +375,9 @@ def plan_backward(
         raise ValueError(f"no mma backward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
                          "of smem")
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
+    if config is None and not owns_dq(tiles, total):
+        cfg = _small_grid_config(cfg, SMALL_GRID_BACKWARD_F32, heads * tiles, variant, limits)
+        heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     own = owns_dq(tiles, total)
@@ -370,14 +406,16 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
 
 
 def forward_configs_f32() -> list[ForwardConfig]:
-    """Every float32 forward configuration (tables and fallbacks)."""
-    return [*FORWARD_CONFIGS_F32.values(), *(c for cs in FORWARD_FALLBACKS_F32.values() for c in cs)]
+    """Every float32 forward configuration (tables, fallbacks and small-grid tiles)."""
+    return [*FORWARD_CONFIGS_F32.values(), *(c for cs in FORWARD_FALLBACKS_F32.values() for c in cs),
+            *SMALL_GRID_FORWARD_F32.values()]
 
 
 def backward_configs_f32() -> list[BackwardConfig]:
-    """Every float32 backward configuration (tables and fallbacks), each once."""
+    """Every float32 backward configuration (tables, fallbacks and small-grid tiles), each once."""
     out: list[BackwardConfig] = []
-    for cfg in (*BACKWARD_CONFIGS_F32.values(), *(c for cs in BACKWARD_FALLBACKS_F32.values() for c in cs)):
+    for cfg in (*BACKWARD_CONFIGS_F32.values(), *(c for cs in BACKWARD_FALLBACKS_F32.values() for c in cs),
+                *SMALL_GRID_BACKWARD_F32.values()):
         if cfg not in out:
             out.append(cfg)
     return out
