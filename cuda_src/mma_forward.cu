@@ -28,10 +28,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   using L = TileLayout<kW>;
   constexpr int kPitch = L::kPitch * 2 / static_cast<int>(sizeof(T));  // elements of T per smem row
 
+  // Staged mask/bias tiles (ArrayScore<..., Br, Bc>, where the plan finds room: plans.tensorcore.staged_policy):
+  // one a ring slot, copied in K_j's cp.async group, so the K wait covers them; slot t % kStages is refilled only
+  // after the barrier that follows step t's scores, as K's.
+  constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
+  static_assert(score_tile_is<typename Policy::Score, Br, Bc>(), "score tiles staged as the kernel's Br x Bc");
+
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + Br * kPitch;
   T* sV = sK + kStages * Bc * kPitch;
+  const uint32_t sScore_u = smem_u32(sV + kStages * Bc * kPitch);  // [kStages] score-array tiles (none: 0 bytes)
 
   const TileCoord tc = query_tile_coord(p, Br);
   const int b = tc.bh / p.hq;
@@ -60,6 +67,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
     const int j0 = (kt.end - 1 - t) * Bc;
     load_tile_async<T, D, Bc, kThreads>(sK + slot * Bc * kPitch, gK + j0 * p.k_s.n, p.k_s.n, seq.nk - j0,
                                         p.d, threadIdx.x);
+    stage_score_tile<typename Policy::Score, kThreads>(p, b, h, q0, j0, sScore_u + slot * kScoreBytes, threadIdx.x);
     cp_async_commit();
     load_tile_async<T, D, Bc, kThreads>(sV + slot * Bc * kPitch, gV + j0 * p.v_s.n, p.v_s.n, seq.nk - j0,
                                         p.d, threadIdx.x);
@@ -103,8 +111,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) mma_flash_fwd(const _
   for (int t = 0; t < n_tiles; ++t) {
     const int slot = t % kStages;
     const int j0 = (kt.end - 1 - t) * Bc;
-    cp_async_wait<2 * kStages - 3>();  // K_t (and Q_i) have landed for this thread...
+    cp_async_wait<2 * kStages - 3>();  // K_t (and Q_i, and a staged score tile) have landed for this thread...
     __syncthreads();                   // ...and for every thread; slot t-1 is free again
+    use_score_tile(pol.score, sScore_u + slot * kScoreBytes, q0, j0);
     {
       const int tp = t + kStages - 1;
       if (tp < n_tiles) {

@@ -146,13 +146,15 @@ MMA_F32_MAIN = ("mma_flash_fwd<float,", "mma_flash_bwd<float,")
 
 def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
     """The mma family's float32 forwards (3xTF32, cuda_src/mma_tf32.cuh; 30 with the built-in policies, which would
-    add about 5 CPU-minutes of NVRTC over four architectures) as a representative eight: the D = 64 tile with Window +
+    add about 5 CPU-minutes of NVRTC over four architectures) as a representative eleven: the D = 64 tile with Window +
     softcap/ALiBi for sm_80 and sm_90a and Causal + softcap for sm_90a, the D = 128 fallback (99 KB parts) plain for
     sm_86, D = 96 with causal, softcap and dropout for sm_89, D = 32 with a mask and a float bias for sm_80, and the
-    small-grid tile (plans.mma.small_grid, D = 64) causal for sm_90a and plain for sm_80. Every
+    small-grid tile (plans.mma.small_grid, D = 64) causal for sm_90a and plain for sm_80, and three with staged
+    mask/bias tiles (D = 64 and 128, sm_80 and sm_90a). Every
     float32 forward is listed by ``mma.instantiations()``; this is the subset built here (about 35 CPU-seconds)."""
+    from cupyflash.plans import H100
     from cupyflash.plans import mma as pm
-    from cupyflash.variants import Variant
+    from cupyflash.variants import ARRAYS, Variant
 
     cfg = {**pm.FORWARD_CONFIGS_F32, "128fb": pm.FORWARD_FALLBACKS_F32[128][0],
            "64sg": pm.SMALL_GRID_FORWARD_F32[64]}
@@ -162,7 +164,11 @@ def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
              (96, Variant(causal=True, softcap=30.0, dropout=0.1).cpp_policy, "sm_89"),
              (32, Variant(causal=True, mask=True, bias="float").cpp_policy, "sm_80"),
              ("64sg", Variant(causal=True).cpp_policy, "sm_90a"), ("64sg", Variant().cpp_policy, "sm_80"))  # fmt: skip
-    return [("mma", pm.FORWARD_SOURCE, cfg[d].name("float", pol), arch) for d, pol, arch in cases]
+    jobs = [("mma", pm.FORWARD_SOURCE, cfg[d].name("float", pol), arch) for d, pol, arch in cases]
+    # mask/bias tiles staged in shared memory (the plan's kernels on an H100): both arrays at D = 64 and 128
+    staged = ((64, ARRAYS[1], "sm_80"), (128, ARRAYS[1], "sm_90a"), (128, ARRAYS[0], "sm_80"))
+    return jobs + [("mma", pm.FORWARD_SOURCE, pm.plan_forward(4, 16, 2048, d, "float", H100, variant=v).main.name,
+                    arch) for d, v, arch in staged]  # fmt: skip
 
 
 def float32_jobs() -> list[tuple[str, str, str, str]]:

@@ -247,3 +247,34 @@ def test_relative_error_is_well_under_the_bound(rng):
     ro, rlse = reference.attention_forward(q, k, v)
     print(f"float32 mma forward, N = 1000, D = 64: o rel err {rel_err(o, ro):.2e}, lse {rel_err(lse, rlse):.2e}")
     assert rel_err(o, ro) < 2e-6
+
+
+# ---------------------------------------------------------------------------- staged mask/bias tiles
+
+def _staged_cases():
+    from test_masks_staged_gpu import CASES
+
+    return [c for c in CASES if c[3] != "transposed-bias"]  # the strided view: test_masks_staged_gpu's API path
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name,shape,spec,how", _staged_cases(), ids=[c[0] for c in _staged_cases()])
+def test_staged_score_tiles(name, shape, spec, how, d, rng):
+    """The float32 forward's staged mask/bias tiles (plans.mma: one a K/V ring slot, where they fit) against the
+    float64 reference, forward and backward (the backward reads the arrays from global memory): aligned rows (every
+    chunk a cp.async, zero-filled past Nq and Nk), a mask broadcast over queries, misaligned rows (element loads),
+    a mask or a bias alone, GQA, Nq != Nk; the plan's kernel name says that it staged."""
+    from test_masks_gpu import check as check_masks, run_family
+    from test_masks_staged_gpu import _inputs
+
+    from cupyflash.plans import DeviceLimits
+    from cupyflash.plans import mma as plans
+
+    q, k, v, do, causal, kw = _inputs(rng, "float32", shape, spec, how, d)
+    device_kw = {a: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for a, x in kw.items()}
+    p = check_attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, **device_kw)
+    b, hq, _, nq, _ = shape
+    fwd = plans.plan_forward(b, hq, nq, d, "float", DeviceLimits.current(), variant=p.variant)
+    assert f", {fwd.config.br}, {fwd.config.bc}>" in fwd.main.name, fwd.main.name  # staged as the kernel's Br x Bc
+    o, lse, grads = run_family("mma", q, k, v, do, causal, kw)
+    check_masks("mma", "float32", q, k, v, do, causal, kw, o, lse, grads)

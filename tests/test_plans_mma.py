@@ -351,3 +351,24 @@ def test_float32_small_grids_take_the_half_tiles(d):  # D = 128: the backward on
     assert own.own_dq and own.config == bwd
     names = {n for _, n in plans.instantiations()}
     assert small_fwd.name("float", POL) in names and small_bwd.name("float", POL) in names
+
+
+def test_float32_forward_stages_score_arrays_where_they_fit():
+    """float32 with mask/bias arrays names ArrayScore<..., Br, Bc> and adds a tile a ring slot to the shared memory
+    where that fits; the 16-bit forward and parts short of shared memory read the arrays through L1."""
+    from cupyflash.variants import ARRAYS
+
+    for v in ARRAYS:
+        for d in (64, 128):
+            cfg = plans.FORWARD_CONFIGS_F32[d]
+            f = plans.plan_forward(4, 16, 2048, d, "float", H100, variant=v)
+            assert f.config == cfg
+            assert f.main.name == cfg.name("float", v.staged_policy(cfg.br, cfg.bc))
+            assert f.main.shared_bytes == cfg.shared_bytes + cfg.stages * v.score_tile_bytes(cfg.br, cfg.bc)
+            short = plans.plan_forward(4, 16, 2048, d, "float", RTX4090, variant=v)
+            assert short.main.name == short.config.name("float", v.cpp_policy)
+            assert short.main.shared_bytes == short.config.shared_bytes <= RTX4090.max_shared_per_block
+            half = plans.plan_forward(4, 16, 2048, d, "__nv_bfloat16", H100, variant=v)
+            assert half.main.name == plans.FORWARD_CONFIGS[d].name("__nv_bfloat16", v.cpp_policy)
+    plain = plans.plan_forward(4, 16, 2048, 64, "float", H100)
+    assert plain.main.shared_bytes == plans.FORWARD_CONFIGS_F32[64].shared_bytes

@@ -11,7 +11,7 @@ from typing import Any
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 from .tensorcore import (CONVERT_LANES, DELTA_LANES, DELTA_LANES_F32, MAX_GRID_Y, BackwardPlan, ForwardPlan,
-                         backward_plan_around, owns_dq)
+                         backward_plan_around, owns_dq, staged_policy)
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -210,6 +210,11 @@ SMALL_GRID_BACKWARD_F32: dict[int, BackwardConfig] = {
 }
 
 
+# Mask/bias arrays (issue 17): the float32 forward stages their Br x Bc tiles in shared memory, one a K/V ring slot,
+# where they fit (plans.tensorcore.staged_policy; spill-free at D = 64/128, NVRTC 13.5 sm_90a); the 16-bit forward
+# (kM = 2 strips a warp) spilled 28-492 B staged against <= 64 B reading them through L1, so it keeps that.
+
+
 def small_grid(blocks: int, longest_first: bool, sm_count: int) -> bool:
     """Does a float32 grid of ``blocks`` table tiles leave enough SMs idle for the half tiles (SMALL_GRID_*_F32)?"""
     return blocks * (1 if longest_first else 2) <= sm_count
@@ -350,8 +355,10 @@ def plan_forward(
         heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    name = cfg.name(ctype, variant.cpp_policy)
-    main = LaunchPlan(FORWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    policy, smem = variant.cpp_policy, cfg.shared_bytes
+    if cfg.elem == 4:  # float32 stages its mask/bias tiles (see "Mask/bias arrays" above), a tile a ring slot
+        policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)
+    main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import LaunchPlan, cdiv
+from ..variants import Variant
+from . import DeviceLimits, LaunchPlan, cdiv
 
 #: The helper kernels live in the mma family's backward source (both families build it).
 HELPER_SOURCE = "mma_backward.cu"
@@ -16,6 +17,20 @@ AUX_THREADS = 256
 
 #: gridDim.y limit: B*H goes on y only up to this.
 MAX_GRID_Y = 65535
+
+
+def staged_policy(variant: Variant, rows: int, cols: int, slots: int, shared_bytes: int, limits: DeviceLimits
+                  ) -> tuple[str, int]:  # fmt: skip
+    """(C++ policy, shared bytes) of a kernel with ``shared_bytes`` of its own: a call with mask/bias arrays gets
+    ``slots`` staged rows x cols tiles of them (``Variant.staged_policy``) where they fit beside the kernel's
+    tiles, else reads them from global memory element by element (a step ahead through L1: ArrayScore's prefetch).
+    The wgmma kernels stage them in slots of their own, the mma forward one a K/V ring slot; the mma backwards read
+    them from global memory."""
+    if variant.arrays:
+        staged = shared_bytes + slots * variant.score_tile_bytes(rows, cols)
+        if staged <= limits.max_shared_per_block:
+            return variant.staged_policy(rows, cols), staged
+    return variant.cpp_policy, shared_bytes
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
-from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq
+from .tensorcore import MAX_GRID_Y, BackwardPlan, ForwardPlan, backward_plan_around, owns_dq, staged_policy
 
 FORWARD_SOURCE = "wgmma_forward.cu"
 FORWARD_WS_SOURCE = "wgmma_forward_ws.cu"  # the warp-specialised forward (wgmma_flash_fwd_ws)
@@ -135,18 +135,6 @@ def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), w
     else:
         cfg = (ARRAY_FORWARD_CONFIGS if variant.arrays else FORWARD_CONFIGS)[pd]
     return cfg if cfg.shared_bytes <= limits.max_shared_per_block else None
-
-
-def staged_policy(variant: Variant, rows: int, cols: int, slots: int, shared_bytes: int, limits: DeviceLimits
-                  ) -> tuple[str, int]:  # fmt: skip
-    """(C++ policy, shared bytes) of a kernel with ``shared_bytes`` of its own: a call with mask/bias arrays gets
-    ``slots`` staged rows x cols tiles of them (``Variant.staged_policy``) where they fit beside the kernel's
-    tiles, else reads them from global memory element by element (as the mma family does)."""
-    if variant.arrays:
-        staged = shared_bytes + slots * variant.score_tile_bytes(rows, cols)
-        if staged <= limits.max_shared_per_block:
-            return variant.staged_policy(rows, cols), staged
-    return variant.cpp_policy, shared_bytes
 
 
 def _heads_first(longest_first: bool, heads: int, sm_count: int, tiles: int = 1) -> bool:
