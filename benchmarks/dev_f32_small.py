@@ -4,6 +4,7 @@ Each cell: GPU microseconds per call with the host out of the way (the overhead 
 queued behind a spin kernel), median of 5, the configurations alternated over two rounds (best of the two). GPU
 machine:
     python benchmarks/dev_f32_small.py > $OUT/f32_small.txt
+    python benchmarks/dev_f32_small.py --bc32 > $OUT/f32_bc32.txt   # the D = 64 forward with Bc 32
 """
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (B, H, N, D, causal): the overhead suite's float32 row first (issue 12: <= 25 us forward, <= 45 us backward).
 SHAPES = [(4, 12, 256, 64, False), (4, 12, 256, 64, True), (1, 16, 512, 64, False), (2, 8, 1024, 64, False),
           (1, 8, 1024, 64, False), (4, 12, 256, 128, False), (2, 8, 512, 128, False)]
+
+
+# --bc32: the D = 64 forward with Br 128 x Bc 32 (8 warps) beside the table, forward only, small and large grids.
+BC32_SHAPES = [(4, 12, 256, 64, False), (4, 12, 256, 64, True), (2, 16, 1024, 64, False), (4, 12, 1024, 64, True),
+               (4, 12, 2048, 64, True), (2, 16, 4096, 64, False), (4, 12, 4096, 64, True)]
 
 
 def main() -> None:
@@ -34,6 +40,10 @@ def main() -> None:
                      BackwardConfig(64, br=64, key_warps=4, elem=4), BackwardConfig(64, br=32, key_warps=8, elem=4)],
                 128: [mma.BACKWARD_CONFIGS_F32[128], BackwardConfig(128, br=32, key_warps=4, elem=4),
                       BackwardConfig(128, br=16, key_warps=4, elem=4)]}
+    bc32 = "--bc32" in sys.argv
+    if bc32:
+        fwd_alts = {64: [mma.FORWARD_CONFIGS_F32[64], ForwardConfig(64, br=128, bc=32, warps=8, elem=4),
+                         ForwardConfig(64, br=128, bc=32, warps=8, stages=3, elem=4)]}
     fwd0, bwd0 = dict(mma.FORWARD_CONFIGS_F32), dict(mma.BACKWARD_CONFIGS_F32)
     small0 = dict(mma.SMALL_GRID_FORWARD_F32), dict(mma.SMALL_GRID_BACKWARD_F32)
 
@@ -54,10 +64,11 @@ def main() -> None:
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()} ({sms} SMs); float32, GPU us per call "
           "(queued, median of 5, best of 2 rounds); blocks = the main kernel's grid", flush=True)
     rng = cp.random.default_rng(0)
-    for b, h, n, d, causal in SHAPES:
+    for b, h, n, d, causal in BC32_SHAPES if bc32 else SHAPES:
         q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32) for _ in range(4))
         o, lse = cf.attention_forward(q, k, v, causal)
-        for pass_, alts in (("fwd", [None, *fwd_alts[d]]), ("bwd", [None, *bwd_alts[d]])):
+        passes = [("fwd", [None, *fwd_alts[d]])] + ([] if bc32 else [("bwd", [None, *bwd_alts[d]])])
+        for pass_, alts in passes:
             if pass_ == "fwd":
                 call = lambda: cf.attention_forward(q, k, v, causal)  # noqa: E731
             else:
