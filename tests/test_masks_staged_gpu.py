@@ -1,12 +1,12 @@
 """The Hopper kernels' staged mask/bias tiles (issue 17 speed; cuda_src/score_tile.cuh) against the float64 reference.
 
-The wgmma forward and backward copy each step's tile of the score arrays into shared memory (cp.async where a row
-is contiguous and 16-byte aligned, element by element otherwise) when the plan finds room (plans/tensorcore.py,
-``staged_policy``; the float32 mma forward's staging: test_mma_float32_fwd_gpu.py). test_masks_gpu.py covers
-D = 64 with rows that are mostly misaligned; these cases reach the other paths explicitly: aligned rows (every chunk a cp.async, zero-filled past Nq and Nk), a mask broadcast over
-queries (one row for all), a transposed bias (the element path), a float32 bias beside 16-bit inputs, a mask or
-a bias alone, full-shape (dbias stored) and broadcast (dbias added), at D = 64 and 128; each case asserts which
-of the two kernels staged its tiles. Same accuracy bounds
+The wgmma forward and backward copy each step's tile of the score arrays into shared memory (cp.async where a row is
+contiguous and 16-byte aligned, element by element otherwise) when the plan finds room (plans/tensorcore.py,
+``staged_policy``; the float32 mma forward's staging: test_mma_float32_fwd_gpu.py). test_masks_gpu.py covers D = 64
+with rows that are mostly misaligned; these cases reach the other paths explicitly: aligned rows (every chunk a
+cp.async, zero-filled past Nq and Nk), a mask broadcast over queries (one row for all), a transposed bias (the
+element path), a float32 bias beside 16-bit inputs, a mask or a bias alone, full-shape (dbias stored) and broadcast
+(dbias added), at D = 64 and 128; each case asserts which of the two kernels staged its tiles. Same accuracy bounds
 and poisoned outputs as test_masks_gpu.py.
 """
 from __future__ import annotations
