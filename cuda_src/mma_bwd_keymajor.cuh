@@ -59,6 +59,11 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   U* sdS = sdO + kStages * Br * L::kPitch;
   float* sLse = reinterpret_cast<float*>(sdS + Bc * LS::kPitch);  // [kStages][Br]
   float* sDelta = sLse + kStages * Br;                             // [kStages][Br]
+  // Staged mask/bias tiles (ArrayScore<..., Br, Bc>: the float32 plans, where they fit): a step's Br x Bc tile in
+  // its Q_i/dO_i group, one a ring slot, refilled only after the barrier that follows the step, as Q_i's.
+  constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
+  static_assert(score_tile_is<typename Policy::Score, Br, Bc>(), "score tiles staged as the kernel's Br x Bc");
+  const uint32_t sScore_u = smem_u32(sDelta + kStages * Br);  // [kStages] (none: 0 bytes)
 
   const TileCoord tc = dq_key_tile_coord<Policy>(p, Bc);  // (batch * kv heads, key tile): dq_turns.cuh
   const int b = tc.bh / p.hk;
@@ -98,6 +103,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
                                             q_sn, sq.nq - i0, d, tid);
     load_tile_any_async<T, D, Br, kThreads>(sdO + buf * Br * L::kPitch, dout + bo * do_sb + hh * do_sh + row * do_sn,
                                             do_sn, sq.nq - i0, d, tid);
+    stage_score_tile<typename Policy::Score, kThreads>(p, bo, hh, i0, j0, sScore_u + buf * kScoreBytes, tid);
   };
   // lse and Delta of the tile's rows, copied raw (rows past Nq read nothing and become 0: their
   // Q and dO rows are zeros, so they contribute nothing whatever P is).
@@ -199,6 +205,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     // The policy per step, from the sequence's lengths re-read here (kept live, they would spill).
     Policy pol(p, seq_geometry(p, opaque(b)));
     pol.score.at_head(p, b, hh);
+    use_score_tile(pol.score, sScore_u + buf * kScoreBytes, i0, j0);
     mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
     const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);

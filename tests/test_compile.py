@@ -172,11 +172,14 @@ def float32_forward_jobs() -> list[tuple[str, str, str, str]]:
 
 
 def float32_jobs() -> list[tuple[str, str, str, str]]:
-    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative nine of its
+    """The mma family's float32 backward (3xTF32, cuda_src/mma_bwd_tf32.cuh), a representative twelve of its
     9 configurations x policies x architectures (about 40 CPU-seconds): the D = 64 table tile causal on sm_80 and
     sm_90a, and owning dQ (sm_80); a float bias (dbias, issue 17) at D = 64; D = 128 with a mask, a float bias,
     a window and softcap/ALiBi (sm_90a), and with causal + softcap + dropout (sm_80); the 99 KB parts' D = 128
-    fallback (sm_86); the small-grid tiles (plans.mma.small_grid) at D = 64 causal (sm_80) and D = 128 (sm_90a)."""
+    fallback (sm_86); the small-grid tiles (plans.mma.small_grid) at D = 64 causal (sm_80) and D = 128 (sm_90a);
+    staged mask/bias tiles (the plan's kernels on an H100): a float32 bias and a mask with a bfloat16 bias at D = 64,
+    a mask at D = 128."""
+    from cupyflash.plans import H100
     from cupyflash.plans import mma as pm
     from cupyflash.variants import ARRAYS, BUILTIN, DROPOUT, Variant
 
@@ -190,7 +193,10 @@ def float32_jobs() -> list[tuple[str, str, str, str]]:
             ("mma", src, t128.name("float", DROPOUT[1].cpp_policy), "sm_80"),
             ("mma", src, pm.BACKWARD_FALLBACKS_F32[128][-1].name("float", plain), "sm_86"),
             *(("mma", src, pm.SMALL_GRID_BACKWARD_F32[d].name("float", pol), arch)
-              for d, pol, arch in ((64, causal, "sm_80"), (128, plain, "sm_90a")))]
+              for d, pol, arch in ((64, causal, "sm_80"), (128, plain, "sm_90a"))),
+            *(("mma", src, pm.plan_backward(4, 16, 16, 2048, 2048, d, "float", H100, variant=v).main.name, arch)
+              for d, v, arch in ((64, Variant(bias="float"), "sm_80"), (64, ARRAYS[0], "sm_90a"),
+                                 (128, Variant(mask=True), "sm_80")))]
 
 
 def own_dq_jobs() -> list[tuple[str, str, str, str]]:

@@ -260,8 +260,8 @@ def _staged_cases():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("name,shape,spec,how", _staged_cases(), ids=[c[0] for c in _staged_cases()])
 def test_staged_score_tiles(name, shape, spec, how, d, rng):
-    """The float32 forward's staged mask/bias tiles (plans.mma: one a K/V ring slot, where they fit) against the
-    float64 reference, forward and backward (the backward reads the arrays from global memory): aligned rows (every
+    """The float32 kernels' staged mask/bias tiles (plans.mma: one a K/V ring slot in the forward, a Q_i/dO_i slot in
+    the backward, where they fit) against the float64 reference, forward and backward: aligned rows (every
     chunk a cp.async, zero-filled past Nq and Nk), a mask broadcast over queries, misaligned rows (element loads),
     a mask or a bias alone, GQA, Nq != Nk; the plan's kernel name says that it staged."""
     from test_masks_gpu import check as check_masks, run_family
@@ -273,8 +273,14 @@ def test_staged_score_tiles(name, shape, spec, how, d, rng):
     q, k, v, do, causal, kw = _inputs(rng, "float32", shape, spec, how, d)
     device_kw = {a: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for a, x in kw.items()}
     p = check_attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, **device_kw)
-    b, hq, _, nq, _ = shape
-    fwd = plans.plan_forward(b, hq, nq, d, "float", DeviceLimits.current(), variant=p.variant)
+    b, hq, hk, nq, nk = shape
+    limits = DeviceLimits.current()
+    fwd = plans.plan_forward(b, hq, nq, d, "float", limits, variant=p.variant)
     assert f", {fwd.config.br}, {fwd.config.bc}>" in fwd.main.name, fwd.main.name  # staged as the kernel's Br x Bc
+    # the backward where its tiles fit beside its own (a float32 bias with a mask never does)
+    bwd = plans.plan_backward(b, hq, hk, nq, nk, d, "float", limits, variant=p.variant)
+    cfg = bwd.config
+    fits = cfg.shared_bytes + cfg.stages * p.variant.score_tile_bytes(cfg.br, cfg.bc) <= limits.max_shared_per_block
+    assert (f", {cfg.br}, {cfg.bc}>" in bwd.main.name) == fits, bwd.main.name
     o, lse, grads = run_family("mma", q, k, v, do, causal, kw)
     check_masks("mma", "float32", q, k, v, do, causal, kw, o, lse, grads)

@@ -372,3 +372,23 @@ def test_float32_forward_stages_score_arrays_where_they_fit():
             assert half.main.name == plans.FORWARD_CONFIGS[d].name("__nv_bfloat16", v.cpp_policy)
     plain = plans.plan_forward(4, 16, 2048, 64, "float", H100)
     assert plain.main.shared_bytes == plans.FORWARD_CONFIGS_F32[64].shared_bytes
+
+
+@pytest.mark.parametrize("d, variant, staged", [(64, Variant(bias="float"), True), (64, Variant(mask=True), True),
+                                                (64, Variant(mask=True, bias="float"), False),
+                                                (128, Variant(mask=True), True), (128, Variant(bias="float"), False)])
+def test_float32_backward_stages_score_arrays_where_they_fit(d, variant, staged):
+    """The float32 backward stages a tile a Q_i/dO_i ring slot where it fits beside its tiles on an H100 (a float32
+    bias at D = 64 fills the 227 KB exactly); the 16-bit backward never does."""
+    cfg = plans.BACKWARD_CONFIGS_F32[d]
+    b = plans.plan_backward(4, 16, 16, 2048, 2048, d, "float", H100, variant=variant)
+    assert b.config == cfg
+    tiles = cfg.stages * variant.score_tile_bytes(cfg.br, cfg.bc)
+    if staged:
+        assert b.main.name == cfg.name("float", variant.staged_policy(cfg.br, cfg.bc))
+        assert b.main.shared_bytes == cfg.shared_bytes + tiles <= H100.max_shared_per_block
+    else:
+        assert cfg.shared_bytes + tiles > H100.max_shared_per_block
+        assert b.main.name == cfg.name("float", variant.cpp_policy) and b.main.shared_bytes == cfg.shared_bytes
+    half = plans.plan_backward(4, 16, 16, 2048, 2048, d, "__nv_bfloat16", H100, variant=variant)
+    assert half.main.name == plans.BACKWARD_CONFIGS[d].name("__nv_bfloat16", variant.cpp_policy)

@@ -210,9 +210,11 @@ SMALL_GRID_BACKWARD_F32: dict[int, BackwardConfig] = {
 }
 
 
-# Mask/bias arrays (issue 17): the float32 forward stages their Br x Bc tiles in shared memory, one a K/V ring slot,
-# where they fit (plans.tensorcore.staged_policy; spill-free at D = 64/128, NVRTC 13.5 sm_90a); the 16-bit forward
-# (kM = 2 strips a warp) spilled 28-492 B staged against <= 64 B reading them through L1, so it keeps that.
+# Mask/bias arrays (issue 17): the float32 kernels stage their Br x Bc tiles in shared memory, one a K/V ring slot
+# (forward) or a Q_i/dO_i ring slot (backward), where they fit (plans.tensorcore.staged_policy: the forward at
+# D = 64/128, the backward at D = 64 and with a mask alone at D = 128; spill-free, NVRTC 13.5 sm_80/sm_90a); the
+# 16-bit forward (kM = 2 strips a warp) spilled 28-492 B staged against <= 64 B reading them through L1, so the
+# 16-bit kernels keep that.
 
 
 def small_grid(blocks: int, longest_first: bool, sm_count: int) -> bool:
@@ -388,8 +390,11 @@ def plan_backward(
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     own = owns_dq(tiles, total)
-    name = cfg.name(ctype, variant.cpp_policy, own)
-    main = LaunchPlan(BACKWARD_SOURCE, name, grid, (cfg.threads, 1, 1), cfg.shared_bytes, max_carveout=True)
+    policy, smem = variant.cpp_policy, cfg.shared_bytes
+    if getattr(cfg, "elem", _ELEM) == 4:  # float32 stages its mask/bias tiles (see "Mask/bias arrays" above)
+        policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
+                      max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
