@@ -2,32 +2,18 @@
 a (1, H, N, N) bias): the table's tile (Br 32, the bias read through L1: staged tiles do not fit beside it) against
 Br 16 (8 key warps), whose staged tiles fit, through the public API (plans.mma's table swapped, the plan cache
 cleared). Each cell: GPU ms per backward call from CUDA events around 5 back-to-back calls, median of 7, the two
-alternated twice (best of the two rounds). GPU machine:
+alternated twice (best of the two rounds; dev_ws_ab.per_call_ms, which warms up with 3 calls). GPU machine:
     python benchmarks/dev_f32_bias_bwd.py > $OUT/f32_bias_bwd.txt
 """
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def per_call_ms(fn, calls: int = 5, batches: int = 7) -> float:
-    import cupy as cp
-
-    fn()
-    times = []
-    for _ in range(batches):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / calls)
-    return statistics.median(times)
+from dev_ws_ab import per_call_ms  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +38,8 @@ def main() -> None:
             for name in (list(alts) if rnd == 0 else list(reversed(alts))):
                 mma.BACKWARD_CONFIGS_F32[128] = alts[name]
                 cuda_backend._backward_cache.clear()  # plans are cached per call signature
-                ms = per_call_ms(lambda: cf.attention_backward(do, q, k, v, o, lse, bias=bias, bias_grad=True))
+                ms = per_call_ms(lambda: cf.attention_backward(do, q, k, v, o, lse, bias=bias, bias_grad=True),
+                                 calls=5, batches=7)
                 best[name] = min(best.get(name, ms), ms)
         mma.BACKWARD_CONFIGS_F32[128] = table
         cuda_backend._backward_cache.clear()

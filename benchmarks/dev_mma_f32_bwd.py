@@ -88,19 +88,9 @@ def _config_backward(q, k, v, do, causal, config):
 
 
 def median_ms(fn, warmup=3, iters=30) -> float:
-    import cupy as cp
+    from dev_wgmma import median_ms as shared  # the dev scripts' CUDA-event timer (imports CuPy: GPU only)
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
+    return shared(fn, warmup=warmup, iters=iters)
 
 
 def torch_backward(q, k, v, do, causal, bias):

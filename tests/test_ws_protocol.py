@@ -139,10 +139,9 @@ class Block:
         done_v(self.n - 1)
 
 
-def run(n_tiles: int, stages: int, consumers: int, rng: random.Random) -> None:
-    blk = Block(n_tiles, stages, consumers)
-    agents = [blk.producer()] + [blk.consumer(c) for c in range(consumers)]
-    live = list(agents)
+def interleave(blk: Block, rng: random.Random, what: str = "") -> None:
+    """Run the block's producer and consumers to the end, one random agent's next step at a time."""
+    live = [blk.producer()] + [blk.consumer(c) for c in range(blk.consumers)]
     steps = 0
     while live:
         agent = rng.choice(live)
@@ -151,7 +150,12 @@ def run(n_tiles: int, stages: int, consumers: int, rng: random.Random) -> None:
         except StopIteration:
             live.remove(agent)
         steps += 1
-        assert steps < 100_000, f"deadlock: n_tiles={n_tiles}, stages={stages}, consumers={consumers}"
+        assert steps < 100_000, f"deadlock{what}"
+
+
+def run(n_tiles: int, stages: int, consumers: int, rng: random.Random) -> None:
+    blk = Block(n_tiles, stages, consumers)
+    interleave(blk, rng, f": n_tiles={n_tiles}, stages={stages}, consumers={consumers}")
     assert all(b.arrived == 0 for b in blk.turn), "a turn barrier ends unbalanced"
     assert sum(blk.readers_k) == sum(blk.readers_v) == 0
 
@@ -180,17 +184,7 @@ def test_model_catches_a_broken_protocol():
     rng = random.Random(7)
     with pytest.raises(AssertionError, match="read|overwrote"):
         for _ in range(200):
-            blk = Hasty(8, 2, 2)
-            live = [blk.producer(), blk.consumer(0), blk.consumer(1)]
-            steps = 0
-            while live:
-                agent = rng.choice(live)
-                try:
-                    next(agent)
-                except StopIteration:
-                    live.remove(agent)
-                steps += 1
-                assert steps < 100_000, "deadlock"
+            interleave(Hasty(8, 2, 2), rng)
 
 
 def test_model_finds_the_deadlock_one_stage_would_have():
