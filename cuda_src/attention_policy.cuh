@@ -132,8 +132,9 @@ __device__ __forceinline__ float distance_of(int q, int offset, int k) {
 // Softcap and/or ALiBi, decided at run time: s = softcap * tanh(scale q.k / softcap) when softcap > 0,
 // then s -= slope_h * |q + nk - nq - k| when slopes are given. Scores leave in log2 units, so the caller's
 // exponential takes them as they are (scale 1). Per element, a run-time softcap test would be if-converted
-// and pay the tanh (and the backward's log2) on ALiBi-only calls too, so the tensor-core strips test
-// softcapped() once per strip and call the kCap forms (mma_softmax.cuh); log2_score/ds_factor test per element.
+// and pay the tanh (and the backward's log2) on ALiBi-only calls too, so the tensor-core strips test softcapped()
+// once per strip and call the kCap forms, the forwards' strips sloped() too (the kSlope forms: no ALiBi distance,
+// 4 instructions a score, on softcap-only calls; mma_softmax.cuh); log2_score/ds_factor test per element.
 struct ModScore {
   static constexpr bool kIdentity = false;
   static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
@@ -147,10 +148,13 @@ struct ModScore {
     slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
   __device__ __forceinline__ bool softcapped() const { return P->softcap_log2 > 0.f; }
-  template <bool kFast, bool kCap>
+  // Does this head add an ALiBi term? (A zero slope adds exactly nothing, so its heads may skip the distances.)
+  __device__ __forceinline__ bool sloped() const { return slope_log2 != 0.f; }
+  // kCap / kSlope: the softcap / ALiBi term, known present (the tensor-core strips' uniform tests) or absent.
+  template <bool kFast, bool kCap, bool kSlope = true>
   __device__ __forceinline__ float log2_score_as(float r, int q, int k) const {
     const float x = kCap ? P->softcap_log2 * tanh_of<kFast>(r * P->softcap_scale) : r * P->scale_log2;
-    return fmaf(slope_log2, distance_of(q, offset, k), x);
+    return kSlope ? fmaf(slope_log2, distance_of(q, offset, k), x) : x;
   }
   template <bool kFast>
   __device__ __forceinline__ float log2_score(float r, int q, int k) const {

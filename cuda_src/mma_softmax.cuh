@@ -196,6 +196,14 @@ __device__ __forceinline__ float positive_scale(float (&s)[NT][4], float c) {
   return 1.f;
 }
 
+// A strip's scores by a ModScore-like policy with its softcap / ALiBi terms known (log2_score_as<kFast, kCap, kSlope>).
+template <int NT, bool kKeyRows, bool kFast, bool kCap, bool kSlope, class Score>
+__device__ __forceinline__ void score_strip_as(float (&s)[NT][4], int row0, int col0, const Score& score) {
+  score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
+    return score.template log2_score_as<kFast, kCap, kSlope>(r, q, k);
+  });
+}
+
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
 // 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
@@ -205,15 +213,13 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
                                              float scale_log2) {
   if constexpr (Score::kIdentity) {
     return positive_scale<NT>(s, scale_log2);
-  } else if constexpr (SplitsSoftcap<Score>::value) {  // one uniform test per strip, not a tanh per element
-    if (score.softcapped())
-      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
-        return score.template log2_score_as<kFast, true>(r, q, k);
-      });
-    else
-      score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {
-        return score.template log2_score_as<kFast, false>(r, q, k);
-      });
+  } else if constexpr (SplitsSoftcap<Score>::value) {  // uniform tests per strip, not a tanh per element
+    // The forwards' strips also skip the ALiBi distance (4 instructions a score) where the head has no slope:
+    // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
+    // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
+    if (!score.softcapped()) score_strip_as<NT, kKeyRows, kFast, false, true>(s, row0, col0, score);  // ALiBi
+    else if (kKeyRows || score.sloped()) score_strip_as<NT, kKeyRows, kFast, true, true>(s, row0, col0, score);
+    else score_strip_as<NT, kKeyRows, kFast, true, false>(s, row0, col0, score);
     return 1.f;
   } else {
     score_elements<NT, kKeyRows>(s, row0, col0, [&](float r, int q, int k) {

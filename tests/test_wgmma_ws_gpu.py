@@ -200,6 +200,7 @@ def _instantiations() -> set[tuple[str, str]]:
         want += [(pd, dt, policy(causal, kw)) for pd, dt in VARIANT_DTYPE.items()]
     for _, _, causal, kw in DROPOUT_CASES:
         want += [(pd, "bfloat16", policy(causal, kw, 0.17)) for pd in (64, 128)]
+    want += [(pd, "bfloat16", policy(causal, {}, 0.17)) for pd in (64, 128) for causal in (False, True)]
     return {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt, pol in want for cfg in (WS[pd], LOCKSTEP[pd])}
 
 
@@ -308,3 +309,31 @@ def test_switch_through_the_api(rng, ws_switch, compiled):
     np.testing.assert_array_equal(np.isneginf(lse), masked)
     np.testing.assert_allclose(lse[~masked], rlse[~masked], rtol=2e-3, atol=1e-4)
     assert rel_err(o, ro) <= TOL_OUT["bfloat16"], f"varlen o: rel err {rel_err(o, ro):.3g}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_keep_bits_exact(d, causal, rng, compiled):
+    """Every keep bit of the warp-specialised forward equals dropout_mask's (the fixed-bound o check above would
+    miss a few wrong bits): with V one-hot on the keys of a 64-key block m (v[j] = e_(j - 64 m) there, 0
+    elsewhere), o[i, j - 64 m] = P_ij * keep_ij / ((1 - p) l_i), nonzero exactly where P_ij is kept. One launch per
+    block covers every (query, key) of the problem: 192-row (D = 64) or 128-row query tiles, every consumer warp's
+    strip, three key tiles through the ring's slots, GQA heads and two batches."""
+    from cupyflash import dropout_mask
+
+    b, hq, hk, nq, nk = 2, 4, 2, 450, 300
+    q, k, _ = random_qkv(rng, (b,), hq, hk, nq, nk, d, DTYPES["bfloat16"])
+    qd, kd = cupy.asarray(q), cupy.asarray(k)
+    seed = int(rng.integers(0, 2**62))
+    p = check_attention(qd, kd, kd, causal=causal, dropout_p=0.17)
+    want = dropout_mask(b, hq, nq, nk, 0.17, seed)
+    if causal:  # bottom-right aligned: key j is visible to query i iff j <= i + nk - nq
+        want &= np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+    pd = plans.padded_head_dim(d)
+    for m in range(-(-nk // 64)):
+        keys = np.arange(64 * m, min(64 * m + 64, nk))
+        v = np.zeros((b, hk, nk, d), np.float32)
+        v[:, :, keys, keys - 64 * m] = 1.0
+        o, _ = _forward(WS[pd], qd, kd, cupy.asarray(v.astype(DTYPES["bfloat16"])), p, seed=seed)
+        got = cupy.asnumpy(o).astype(np.float32)[..., : len(keys)] != 0
+        np.testing.assert_array_equal(got, want[..., keys], err_msg=f"keep bits of keys {keys[0]}..{keys[-1]}")
