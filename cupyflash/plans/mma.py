@@ -217,6 +217,15 @@ SMALL_GRID_BACKWARD_F32: dict[int, BackwardConfig] = {
 # 16-bit kernels keep that.
 
 
+def _policy_and_smem(cfg: AnyBackwardConfig | ForwardConfig, variant: Variant, limits: DeviceLimits
+                     ) -> tuple[str, int]:  # fmt: skip
+    """(C++ policy, shared bytes) of a main kernel: float32 stages its mask/bias tiles (see above), a tile a ring
+    slot; the 16-bit kernels read them through L1."""
+    if getattr(cfg, "elem", _ELEM) == 4:
+        return staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)
+    return variant.cpp_policy, cfg.shared_bytes
+
+
 def small_grid(blocks: int, longest_first: bool, sm_count: int) -> bool:
     """Does a float32 grid of ``blocks`` table tiles leave enough SMs idle for the half tiles (SMALL_GRID_*_F32)?"""
     return blocks * (1 if longest_first else 2) <= sm_count
@@ -357,9 +366,7 @@ def plan_forward(
         heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    policy, smem = variant.cpp_policy, cfg.shared_bytes
-    if cfg.elem == 4:  # float32 stages its mask/bias tiles (see "Mask/bias arrays" above), a tile a ring slot
-        policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)
+    policy, smem = _policy_and_smem(cfg, variant, limits)
     main = LaunchPlan(FORWARD_SOURCE, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
 
@@ -384,15 +391,13 @@ def plan_backward(
         raise ValueError(f"no mma backward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
                          "of smem")
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
-    if config is None and not owns_dq(tiles, total):
+    own = owns_dq(tiles, total)
+    if config is None and not own:  # half tiles only add key tiles, so the kernel still does not own dQ
         cfg = _small_grid_config(cfg, SMALL_GRID_BACKWARD_F32, heads * tiles, variant, limits)
         heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
     on_x = _heads_on_x(variant.longest_first, heads, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
-    own = owns_dq(tiles, total)
-    policy, smem = variant.cpp_policy, cfg.shared_bytes
-    if getattr(cfg, "elem", _ELEM) == 4:  # float32 stages its mask/bias tiles (see "Mask/bias arrays" above)
-        policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)
+    policy, smem = _policy_and_smem(cfg, variant, limits)
     main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
                       max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)

@@ -24,8 +24,8 @@ def staged_policy(variant: Variant, rows: int, cols: int, slots: int, shared_byt
     """(C++ policy, shared bytes) of a kernel with ``shared_bytes`` of its own: a call with mask/bias arrays gets
     ``slots`` staged rows x cols tiles of them (``Variant.staged_policy``) where they fit beside the kernel's
     tiles, else reads them from global memory element by element (a step ahead through L1: ArrayScore's prefetch).
-    The wgmma kernels stage them in slots of their own, the mma forward one a K/V ring slot; the mma backwards read
-    them from global memory."""
+    The wgmma kernels stage them in slots of their own; the mma family's float32 kernels one a ring slot (K/V
+    forward, Q_i/dO_i backward), its 16-bit kernels never (plans.mma._policy_and_smem)."""
     if variant.arrays:
         staged = shared_bytes + slots * variant.score_tile_bytes(rows, cols)
         if staged <= limits.max_shared_per_block:
