@@ -25,4 +25,16 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// The block's barrier; with kThreads > 0, named barrier 1 of the first kThreads threads instead: a kernel whose
+// helper warpgroup (the wgmma backward's keep-bit drawer) takes no part in its loop's barriers.
+template <int kThreads = 0>
+__device__ __forceinline__ void sync_block() {
+  if constexpr (kThreads == 0) {
+    __syncthreads();
+  } else {
+    static_assert(kThreads % 32 == 0, "whole warps");
+    asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+  }
+}
+
 }  // namespace cupyflash

@@ -109,8 +109,10 @@ __device__ __forceinline__ int dq_turn_peek(const int* slot) {
   return seen;
 }
 
-// Every thread of the block calls both with the same turn (they hold __syncthreads); thread 0 spins (unless
-// its early read `seen`, from dq_turn_peek, already shows the turn) and signals.
+// Every thread of the block calls both with the same turn (they hold sync_block<kSync>: the block's barrier, or
+// the first kSync threads'); thread 0 spins (unless its early read `seen`, from dq_turn_peek, already shows the
+// turn) and signals.
+template <int kSync = 0>
 __device__ __forceinline__ void dq_turn_wait(const int* slot, int turn, int seen = 0) {
   if (slot == nullptr || turn == 0) return;  // the first turn follows only the launch's zeroing of the counters
   if (threadIdx.x == 0) {
@@ -126,7 +128,7 @@ __device__ __forceinline__ void dq_turn_wait(const int* slot, int turn, int seen
     __threadfence();
 #endif
   }
-  __syncthreads();
+  sync_block<kSync>();
 }
 
 __device__ __forceinline__ void dq_turn_pass(int* slot, int turn) {
@@ -176,11 +178,11 @@ __device__ __forceinline__ void dq_turn_pass_step(const AttentionParams& p, int 
 
 // The last step's pass, one barrier after the loop (that barrier orders every thread's last adds before the
 // release): the same for every key-major kernel, so they call this after their loop (total: the block's steps).
-template <int Br, int Bc, class Mask, class TileOf>
+template <int Br, int Bc, class Mask, int kSync = 0, class TileOf>
 __device__ __forceinline__ void dq_turn_pass_last(const AttentionParams& p, int b, int j0, int total,
                                                   const TileOf& tile_of) {
   if (p.dq_turns == nullptr || total <= 0) return;
-  __syncthreads();
+  sync_block<kSync>();
   dq_turn_pass_step<Br, Bc, Mask>(p, b, j0, total - 1, tile_of);
 }
 

@@ -11,18 +11,44 @@
 // dQ_i is split between the warpgroups by query rows when Br = 128 (each 64 rows x D), by columns when
 // Br = 64 (each 64 rows x D/2, a 64-column slab of K_j). Every tile is 64-column slabs of TileLayout<64>
 // (the 128-byte swizzle of wgmma_primitives.cuh); D is the padded head dim, d the true one.
+//
+// kDrawer (dropout only): a third warpgroup, the drawer, draws every step's keep bits (dropout_bits, Philox) into a
+// ring in shared memory, kKeepSlots steps ahead, while the two warpgroups that compute load them (one 4- or
+// 8-byte load a step). The backward waits on latency (two warps a scheduler), so the drawer's dependent Philox
+// chains fill issue slots that stood idle instead of lengthening the compute warps' steps. Its warpgroup gives
+// its registers to them (setmaxnreg), and it takes no part in their barriers (named barrier 1 of 256 threads).
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "wgmma_primitives.cuh"
 #include "dq_turns.cuh"
 #include "dq_own.cuh"
+#include "ws_primitives.cuh"
 
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
+// Registers with the drawer: the launch gives each of the 384 threads 168; the drawer keeps 24 and the two
+// compute warpgroups take what that frees (240 each).
+struct DrawerRegs {
+  static constexpr int kLaunch = 65536 / 384 / 8 * 8;
+  static constexpr int kDrawer = 24;
+  static constexpr int kCompute = (3 * kLaunch - kDrawer) / 2 / 8 * 8;
+};
+constexpr int kKeepSlots = 4;
+
+// 32-bit word w of a lane's keep bits from the drawer's ring, in its place (the other bits 0): loaded where each
+// use is, volatile so that the uses load again instead of holding the bits (held through the step, they spilled
+// the tiles at the compute warpgroups' 240 registers).
+template <typename Keep>
+__device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
+  unsigned x;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(addr + 4 * w));
+  return static_cast<Keep>(x) << (32 * w);
+}  // steps the drawer may run ahead (plans.wgmma.KEEP_SLOTS)
+
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
-template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false>
-__global__ void __launch_bounds__(kWG * 128, 1)
+template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false>
+__global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     wgmma_flash_bwd(const __grid_constant__ AttentionParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const T* __restrict__ k = static_cast<const T*>(p.k);
@@ -38,7 +64,8 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
-  constexpr int kThreads = kWG * 128;
+  constexpr int kThreads = kWG * 128;  // the warpgroups that compute (the drawer comes after them)
+  constexpr int kSync = kDrawer ? kThreads : 0;  // their barrier: sync_block<kSync>
   constexpr int Bc = 64 * kWG;
   constexpr int kSlabs = D / 64;  // 64-column slabs of a Q/K/V/dO tile
   constexpr int kNQ = Br / 8;     // n8 tiles of S^T (queries) per warp strip
@@ -47,6 +74,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   static_assert(kWG == 2 && (Br == 64 || Br == 128), "instantiated tiles");
   static_assert(kDQByRows || (Br == 64 && D == 64 * kWG), "dQ split: by rows (Br = Bc) or by 64-column slabs");
   static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
+  static_assert(!kDrawer || (Policy::Dropout::kOn && kWG == 2), "a drawer draws dropout's bits, beside 2 warpgroups");
   constexpr int kKVBytes = Bc * D * 2;
   constexpr int kQBytes = Br * D * 2;
   constexpr int kSlabBytesKV = Bc * 128;
@@ -66,6 +94,11 @@ __global__ void __launch_bounds__(kWG * 128, 1)
   const uint32_t sdS_u = sdO_u + kStages * kQBytes;  // dS^T: Bc keys x Br queries, Br / 64 slabs
   const uint32_t sStat_u = sdS_u + Bc * Br * 2;     // [kStages][2][Br] f32: lse, Delta
   const uint32_t sScore_u = sStat_u + kStages * 2 * Br * 4;  // [kStages] score-array tiles (none: 0 bytes)
+  // With the drawer: [kKeepSlots][4 kWG warps][32 lanes] keep bits, then the ring's barriers.
+  using Keep = KeepBits<kNQ>;
+  constexpr int kKeepPerSlot = kWG * 4 * 32;
+  const uint32_t sKeep_u = (sScore_u + kStages * kScoreBytes + 15u) & ~15u;
+  const ws::Pipe<kKeepSlots> keep_pipe{sKeep_u + kKeepSlots * kKeepPerSlot * static_cast<int>(sizeof(Keep))};
   auto at = [&](uint32_t u) { return smem_raw + (u - raw_u); };
   T* const sK = reinterpret_cast<T*>(at(sK_u));
   T* const sV = reinterpret_cast<T*>(at(sV_u));
@@ -95,10 +128,37 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     hh = hkv * group + it / per_head;
     i0 = (m_start + it % per_head) * Br;
   };
+  if constexpr (kDrawer) {
+    if (threadIdx.x == 0) {
+      keep_pipe.init(128, kThreads);
+      ws::mbar_init_fence();
+    }
+    __syncthreads();  // the last barrier of all 384 threads
+    if (threadIdx.x >= kThreads) {  // the drawer: warp w draws the strips of warp w of each compute warpgroup
+      ws::regs_dec<DrawerRegs::kDrawer>();
+      const int w = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+      Keep* const sKeep = reinterpret_cast<Keep*>(at(sKeep_u));
+      for (int it = 0; it < total; ++it) {
+        int hh, i0;
+        tile_of(it, hh, i0);
+        typename Policy::Dropout drop(p);
+        drop.at_head(p, b, hh);
+        ws::mbar_wait(keep_pipe.empty(it), ws::Ring<kKeepSlots>::refill_parity(it));
+        Keep* const slot = sKeep + ws::Ring<kKeepSlots>::slot(it) * kKeepPerSlot;
+#pragma unroll
+        for (int g = 0; g < kWG; ++g) {
+          slot[(g * 4 + w) * 32 + lane] = dropout_bits<kNQ, true>(j0 + g * 64 + w * 16, i0, drop);
+        }
+        ws::mbar_arrive(keep_pipe.full(it));
+      }
+      return;
+    }
+    ws::regs_inc<DrawerRegs::kCompute>();
+  }
   if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
     own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);
     __threadfence_block();
-    __syncthreads();
+    sync_block<kSync>();
   }
   // Q_i, dO_i, lse and Delta of iteration it into ring slot buf (one cp.async group, committed by the caller).
   // Rows past Nq are zeros with lse = Delta = 0: they contribute nothing whatever P is.
@@ -164,7 +224,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     tile_of(it, hh, i0);
     cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
-    __syncthreads();               // ...for every warpgroup, which are all done with step it-1 (and dS^T)
+    sync_block<kSync>();           // ...for every warpgroup, which are all done with step it-1 (and dS^T)
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
       if (it > 0 && threadIdx.x == 0)
         dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, it - 1, tile_of);
@@ -202,11 +262,19 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     }
     wgmma::commit();
 
-    // Dropout's keep bits of this step, drawn while S^T and dP^T run on the tensor cores where registers allow
-    // (plain scores: with softcap/ALiBi the bits held through score_strip spilled 156 B at D = 64), else after.
-    constexpr bool kEarlyBits = Policy::Dropout::kOn && Policy::Score::kIdentity;
-    KeepBits<kNQ> keep = 0;
-    if constexpr (kEarlyBits) {
+    // Dropout's keep bits of this step: from the drawer's ring, or drawn while S^T and dP^T run on the tensor
+    // cores where registers allow (plain scores: with softcap/ALiBi the bits held through score_strip spilled
+    // 156 B at D = 64), else after.
+    constexpr bool kEarlyBits = Policy::Dropout::kOn && Policy::Score::kIdentity && !kDrawer;
+    Keep keep = 0;
+    // (its address rebuilt at each load from the step's slot: nothing more held through the step)
+    auto keep_u = [&]() {
+      return sKeep_u + (ws::Ring<kKeepSlots>::slot(opaque(it)) * kKeepPerSlot + (wg * 4 + warp) * 32 + lane) *
+                           static_cast<uint32_t>(sizeof(Keep));
+    };
+    if constexpr (kDrawer) {
+      ws::mbar_wait(keep_pipe.full(it), ws::Ring<kKeepSlots>::fill_parity(it));
+    } else if constexpr (kEarlyBits) {
       typename Policy::Dropout drop(p);
       drop.at_head(p, b, hh);
       keep = dropout_bits<kNQ, true>(key_w, i0, drop);
@@ -230,9 +298,14 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     // dV takes the kept P (times 1 / (1 - p) at the end) and dS all of P, with dP zeroed where dropped.
     uint32_t pt[Br / 16][4];
     if constexpr (Policy::Dropout::kOn) {
-      if constexpr (!kEarlyBits) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
+      if constexpr (!kEarlyBits && !kDrawer) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
 #pragma unroll
-      for (int kk = 0; kk < Br / 16; ++kk) pack_a_step_kept<T>(pt[kk], st, kk, keep);
+      for (int kk = 0; kk < Br / 16; ++kk) {
+        if constexpr (kDrawer) {  // a 32-bit word of the bits at a time (n8 tiles 8w.. of word w)
+          if (kk % 4 == 0) keep = ring_keep_word<Keep>(keep_u(), kk / 4);
+        }
+        pack_a_step_kept<T>(pt[kk], st, kk, keep);
+      }
     } else {
       pack_a<T>(pt, st);
     }
@@ -249,6 +322,10 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     uint32_t dst[Br / 16][4];
 #pragma unroll
     for (int n = 0; n < kNQ; ++n) {
+      if constexpr (kDrawer) {
+        if (n % 8 == 0) keep = ring_keep_word<Keep>(keep_u(), n / 8);
+        if (n == kNQ - 1) ws::mbar_arrive(keep_pipe.empty(it));  // every load is done: the slot is the drawer's
+      }
       const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
       float2 lq = {0.f, 0.f};
       if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
@@ -280,7 +357,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       }
     }
     wgmma::fence_proxy_async();
-    __syncthreads();  // dS^T complete for both warpgroups
+    sync_block<kSync>();  // dS^T complete for both warpgroups
 
     // dQ_i (+)= dS K_j for this warpgroup's part: A = dS^T (queries contiguous), B = K_j (D contiguous).
     float acc_dq[8][4];
@@ -310,7 +387,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
     if constexpr (!kOwnDQ) {  // deterministic: add after the earlier key tiles
       int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);
       const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
-      dq_turn_wait(turn_slot, turn, turn_seen);
+      dq_turn_wait<kSync>(turn_slot, turn, turn_seen);
     }
     {  // dQ_i's part, added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete
        // and stored as scale * dS K_j (dq_own.cuh)
@@ -334,7 +411,7 @@ __global__ void __launch_bounds__(kWG * 128, 1)
       }
     }
   }
-  if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, total, tile_of);
+  if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask, kSync>(p, opaque(b), j0, total, tile_of);
   cp_async_wait<0>();
 
   // dV_j and scale * dK_j (this warp's 16 keys); with dropout dV took P * keep: times 1 / (1 - p).

@@ -100,5 +100,23 @@ struct Ring {
   }
 };
 
+// A ring of kSlots slots of small data with one FULL barrier (the writers arrive once their stores are done) and
+// one EMPTY barrier (the readers arrive once their loads are done) per slot; item t sits in slot t % kSlots, with
+// Ring's parities (the wgmma backward's keep bits, written by a drawer warpgroup).
+template <int kSlots>
+struct Pipe {
+  static constexpr int kBytes = 2 * kSlots * 8;
+  uint32_t base;  // 8-byte aligned shared address of the 2 kSlots barriers
+  __device__ __forceinline__ uint32_t full(int t) const { return base + 8 * Ring<kSlots>::slot(t); }
+  __device__ __forceinline__ uint32_t empty(int t) const { return base + 8 * (kSlots + Ring<kSlots>::slot(t)); }
+  __device__ __forceinline__ void init(uint32_t writers, uint32_t readers) const {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      mbar_init(full(s), writers);
+      mbar_init(empty(s), readers);
+    }
+  }
+};
+
 }  // namespace ws
 }  // namespace cupyflash

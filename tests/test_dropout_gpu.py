@@ -269,3 +269,39 @@ def test_dropout_with_mask_and_bias_arrays(kernel, dtype, d, rng):
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, rgrads):
         err = rel_err(g.get(), r)
         assert err <= TOL_GRAD[dtype], f"{name}: {err:.2e}"
+
+
+@_needs_hopper
+@pytest.mark.parametrize("d, causal, deterministic", [(64, False, False), (64, True, True), (128, True, False),
+                                                      (128, False, True)])  # fmt: skip
+def test_wgmma_backward_drawer_and_in_warp_draws_agree(d, causal, deterministic, rng, monkeypatch):
+    """The wgmma backward's two ways to the keep bits, each reached explicitly: the drawer warpgroup's ring (the
+    plans' choice for plain scores) and the compute warpgroups' own draws (plans.wgmma.DRAWER_HEAD_DIMS emptied).
+    The same bits give bitwise the same dK and dV (and dQ under deterministic), on poisoned outputs, and the
+    reference's gradients within tolerance; several key tiles and query steps, GQA, Nq != Nk, a ragged last tile."""
+    from cupyflash import cuda_backend
+    from cupyflash.plans import H100
+    from cupyflash.plans import wgmma as wgmma_plans
+
+    dt = DTYPES["bfloat16"]
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (2,), 4, 2, 333, 461, d, dt))
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(dt))
+    drop = dict(dropout_p=0.17, dropout_seed=2024)
+    p = check_attention(q, k, v, causal=causal, dropout_p=0.17)
+    o, lse = _forward("wgmma", q, k, v, p, 2024)
+    out = {}
+    for drawer in (True, False):
+        monkeypatch.setattr(wgmma_plans, "DRAWER_HEAD_DIMS", frozenset({d}) if drawer else frozenset())
+        cuda_backend._backward_cache.clear()
+        plan = wgmma_plans.plan_backward(2, 4, 2, 333, 461, d, "__nv_bfloat16", H100, variant=p.variant)
+        assert plan.main.block == ((384 if drawer else 256), 1, 1)
+        grads = [_poisoned(x.shape, dt) for x in (q, k, v)]
+        _family("wgmma").backward(do, q, k, v, o, lse, *grads, p, dropout_seed=2024, deterministic=deterministic)
+        out[drawer] = [g.get() for g in grads]
+    cuda_backend._backward_cache.clear()
+    for i in (0, 1, 2) if deterministic else (1, 2):
+        assert np.array_equal(out[True][i].view(np.uint16), out[False][i].view(np.uint16))
+    ref = reference.attention_backward(do.get(), q.get(), k.get(), v.get(), o.get(), lse.get(), causal, **drop)
+    for g, r in zip(out[True], ref):
+        assert rel_err(g, r) <= TOL_GRAD["bfloat16"]
+

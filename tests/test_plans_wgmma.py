@@ -279,3 +279,39 @@ def test_ws_unsupported_gives_reasons_and_falls_back():
         assert plans.forward_config(64, H100, v, ws=True) == want[64]
         with pytest.raises(ValueError, match="warp-specialised"):
             plans.plan_forward(1, 2, 100, 64, "__half", H100, plans.WS_FORWARD_CONFIGS[64], variant=v)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_keep_bit_drawer_with_plain_dropout_only(d):
+    """Dropout on plain scores gets the backward's keep-bit drawer (a third warpgroup, and its ring in shared memory
+    after the kernel's tiles); softcap/ALiBi scores and calls without dropout do not."""
+    cfg = plans.BACKWARD_CONFIGS[d]
+    for variant in (Variant(dropout=0.1), Variant(causal=True, dropout=0.5), Variant(window=(9, 0), dropout=0.1)):
+        plan = plans.plan_backward(2, 8, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant)
+        assert plans.uses_drawer(cfg, variant)
+        assert plan.main.block == (384, 1, 1) and plan.main.name == cfg.name("__nv_bfloat16", variant.cpp_policy,
+                                                                             drawer=True)  # fmt: skip
+        assert plan.main.name.endswith(", false, true>")
+        assert plan.main.shared_bytes == cfg.shared_bytes + cfg.keep_ring_bytes() <= 227 * 1024
+    bits = 8 if d == 64 else 4  # KeepBits<Br / 8>: 8 n8 tiles or fewer fit 32 bits
+    assert cfg.keep_ring_bytes() == plans.KEEP_SLOTS * (256 * bits + 16) + 16
+    for variant in (Variant(), Variant(causal=True, softcap=30.0, dropout=0.1), Variant(alibi=True, dropout=0.1)):
+        plan = plans.plan_backward(2, 8, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant)
+        assert not plans.uses_drawer(cfg, variant)
+        assert plan.main.block == (256, 1, 1) and plan.main.name == cfg.name("__nv_bfloat16", variant.cpp_policy)
+    own = plans.plan_backward(1, 2, 2, 128, 128, d, "__half", H100, variant=Variant(dropout=0.1))
+    assert own.own_dq and own.main.name.endswith(", true, true>")
+
+
+@pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
+def test_backward_drawer_layout_matches_cpp():
+    """The drawer's ring (slots, bits a lane, barriers) and register split (through NVRTC) are what the plans lay
+    out: 384 threads whose launch registers cover the drawer's 24 and the compute warpgroups' share."""
+    from test_launch_abi import probe_values
+
+    exprs = ["kKeepSlots", f"cupyflash::ws::Pipe<{plans.KEEP_SLOTS}>::kBytes", "sizeof(cupyflash::mma::KeepBits<16>)",
+             "sizeof(cupyflash::mma::KeepBits<8>)", "DrawerRegs::kLaunch", "DrawerRegs::kDrawer",
+             "DrawerRegs::kCompute"]  # fmt: skip
+    slots, pipe, bits16, bits8, launch, drawer, compute = probe_values(plans.BACKWARD_SOURCE, exprs, "compute_90a")
+    assert slots == plans.KEEP_SLOTS and pipe == 16 * slots and (bits16, bits8) == (8, 4)
+    assert launch * 384 <= 65536 and drawer + 2 * compute <= 3 * launch and compute == 240

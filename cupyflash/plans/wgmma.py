@@ -193,9 +193,27 @@ class BackwardConfig:
         tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
         return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
 
-    def name(self, ctype: str, policy: str, own_dq: bool = False) -> str:
-        own = ", true" if own_dq else ""  # kOwnDQ (cuda_src/dq_own.cuh)
-        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}{own}>"
+    def name(self, ctype: str, policy: str, own_dq: bool = False, drawer: bool = False) -> str:
+        # kOwnDQ (cuda_src/dq_own.cuh), then kDrawer
+        tail = f", {'true' if own_dq else 'false'}, true" if drawer else ", true" if own_dq else ""
+        return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}{tail}>"
+
+    def keep_ring_bytes(self) -> int:
+        """Shared memory of the drawer's keep-bit ring (KEEP_SLOTS steps of every compute warp's bits, 8 or 4
+        bytes a lane as KeepBits<Br / 8>, then 2 mbarriers a slot) and 16 bytes of alignment slack."""
+        bits = 8 if self.br // 16 > 4 else 4
+        return KEEP_SLOTS * (4 * self.warpgroups * 32 * bits + 16) + 16
+
+
+#: The backward's keep-bit drawer (issue 16): with dropout on plain scores, a third warpgroup draws each step's
+#: keep bits (Philox) KEEP_SLOTS steps ahead of the two that compute (cuda_src/wgmma_backward.cu, kDrawer), on
+#: the head dims listed. Not with softcap/ALiBi/arrays/snippets: the compute warpgroups' 240 registers spill.
+DRAWER_HEAD_DIMS = frozenset({64, 128})
+KEEP_SLOTS = 4
+
+
+def uses_drawer(cfg: BackwardConfig, variant: Variant) -> bool:
+    return variant.dropout > 0 and variant.score_name == "PlainScore" and cfg.d in DRAWER_HEAD_DIMS
 
 
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
@@ -226,7 +244,10 @@ def plan_backward(
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
     own = owns_dq(tiles, total)
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
-    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
+    drawer = uses_drawer(cfg, variant)
+    threads = cfg.threads + 128 * drawer
+    smem += cfg.keep_ring_bytes() if drawer else 0
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer), grid, (threads, 1, 1), smem,
                       max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
