@@ -27,14 +27,10 @@
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
-// Registers with the drawer: the launch gives each of the 384 threads 168; the drawer keeps 24 and the two
-// compute warpgroups take what that frees (240 each).
-struct DrawerRegs {
-  static constexpr int kLaunch = 65536 / 384 / 8 * 8;
-  static constexpr int kDrawer = 24;
-  static constexpr int kCompute = (3 * kLaunch - kDrawer) / 2 / 8 * 8;
-};
-constexpr int kKeepSlots = 4;
+// Registers with the drawer: the warp-specialised forward's split (ws::WsRegs<2>: the launch gives each of the 384
+// threads 168; the drawer keeps the producer's 24 and the two compute warpgroups take 240 each).
+using DrawerRegs = ws::WsRegs<2>;
+constexpr int kKeepSlots = 4;  // steps the drawer may run ahead (plans.wgmma.KEEP_SLOTS)
 
 // 32-bit word w of a lane's keep bits from the drawer's ring, in its place (the other bits 0): loaded where each
 // use is, volatile so that the uses load again instead of holding the bits (held through the step, they spilled
@@ -44,7 +40,7 @@ __device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
   unsigned x;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(addr + 4 * w));
   return static_cast<Keep>(x) << (32 * w);
-}  // steps the drawer may run ahead (plans.wgmma.KEEP_SLOTS)
+}
 
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
 template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false>
@@ -74,7 +70,8 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   static_assert(kWG == 2 && (Br == 64 || Br == 128), "instantiated tiles");
   static_assert(kDQByRows || (Br == 64 && D == 64 * kWG), "dQ split: by rows (Br = Bc) or by 64-column slabs");
   static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
-  static_assert(!kDrawer || (Policy::Dropout::kOn && kWG == 2), "a drawer draws dropout's bits, beside 2 warpgroups");
+  static_assert(!kDrawer || (Policy::Dropout::kOn && DrawerRegs::kThreads == kThreads + 128),
+                "a drawer draws dropout's bits, beside 2 warpgroups");
   constexpr int kKVBytes = Bc * D * 2;
   constexpr int kQBytes = Br * D * 2;
   constexpr int kSlabBytesKV = Bc * 128;
@@ -135,7 +132,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     }
     __syncthreads();  // the last barrier of all 384 threads
     if (threadIdx.x >= kThreads) {  // the drawer: warp w draws the strips of warp w of each compute warpgroup
-      ws::regs_dec<DrawerRegs::kDrawer>();
+      ws::regs_dec<DrawerRegs::kProducerRegs>();
       const int w = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
       Keep* const sKeep = reinterpret_cast<Keep*>(at(sKeep_u));
       for (int it = 0; it < total; ++it) {
@@ -153,7 +150,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
       }
       return;
     }
-    ws::regs_inc<DrawerRegs::kCompute>();
+    ws::regs_inc<DrawerRegs::kConsumerRegs>();
   }
   if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
     own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);

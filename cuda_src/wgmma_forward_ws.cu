@@ -112,16 +112,7 @@ __device__ __forceinline__ void copy_tile(uint32_t dst, const T* src, long long 
   }
 }
 
-// Registers: the launch gives every thread kLaunchRegs (65536 over the block's threads, a multiple of 8); the
-// producer drops to kProducerRegs and the consumers take what that frees (the pool is the block's).
-template <int kConsumers>
-struct WsRegs {
-  static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = ((kConsumers + 1) * kLaunchRegs - kProducerRegs) / kConsumers / 8 * 8;
-  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * kLaunchRegs, "the block's pool");
-};
+using ws::WsRegs;  // the producer's and the consumers' registers (ws_primitives.cuh)
 
 template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy>
 __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)

@@ -73,6 +73,19 @@ __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Registers of a block of kConsumers warpgroups beside one helper warpgroup (the warp-specialised forward's producer,
+// the wgmma backward's keep-bit drawer): the launch gives every thread kLaunchRegs (65536 over the block's threads, a
+// multiple of 8); the helper drops to kProducerRegs (regs_dec) and the consumers take what that frees (regs_inc; the
+// pool is the block's).
+template <int kConsumers>
+struct WsRegs {
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = ((kConsumers + 1) * kLaunchRegs - kProducerRegs) / kConsumers / 8 * 8;
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= (kConsumers + 1) * kLaunchRegs, "the block's pool");
+};
+
 // A ring of kStages K/V slots: per slot a FULL barrier for K and one for V (the producer's threads arrive once
 // their copies into it have landed) and an EMPTY barrier for each (the consumer warps arrive once their last
 // product reading it has completed). Tile t sits in slot t % kStages; its fill is that slot's (t / kStages)-th,

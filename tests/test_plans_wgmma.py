@@ -310,8 +310,8 @@ def test_backward_drawer_layout_matches_cpp():
     from test_launch_abi import probe_values
 
     exprs = ["kKeepSlots", f"cupyflash::ws::Pipe<{plans.KEEP_SLOTS}>::kBytes", "sizeof(cupyflash::mma::KeepBits<16>)",
-             "sizeof(cupyflash::mma::KeepBits<8>)", "DrawerRegs::kLaunch", "DrawerRegs::kDrawer",
-             "DrawerRegs::kCompute"]  # fmt: skip
+             "sizeof(cupyflash::mma::KeepBits<8>)", "DrawerRegs::kLaunchRegs", "DrawerRegs::kProducerRegs",
+             "DrawerRegs::kConsumerRegs"]  # fmt: skip
     slots, pipe, bits16, bits8, launch, drawer, compute = probe_values(plans.BACKWARD_SOURCE, exprs, "compute_90a")
     assert slots == plans.KEEP_SLOTS and pipe == 16 * slots and (bits16, bits8) == (8, 4)
     assert launch * 384 <= 65536 and drawer + 2 * compute <= 3 * launch and compute == 240
