@@ -38,10 +38,18 @@ struct ByteThreshold {
     add = threshold == 0u ? 0x80808080u : (u & 0x7Fu) * 0x01010101u;
     top = (threshold == 0u || (u & 0x80u)) ? 0x80808080u : 0u;
   }
+  // The bytes' low seven bits plus add's: bit 7 of each byte is the carry into its top bit.
+  __device__ __forceinline__ unsigned low_sums(unsigned w) const { return (w & 0x7F7F7F7Fu) + add; }
   // The carries of w's bytes at bits 7, 15, 23, 31.
   __device__ __forceinline__ unsigned carries(unsigned w) const {
-    const unsigned x = (w & 0x7F7F7F7Fu) + add;
+    const unsigned x = low_sums(w);
     return ((w & x) | ((w | x) & top)) & 0x80808080u;
+  }
+  // The same carries with whatever the other bits hold (for users that read bit 7 of each byte only): the majority
+  // of the byte's top bit, that of 256 - threshold and the carry into them, one LOP3.
+  __device__ __forceinline__ unsigned msbs(unsigned w) const {
+    const unsigned x = low_sums(w);
+    return (w & x) | (w & top) | (x & top);
   }
   // Keep bits of two words: bit k = byte k of w0 kept, bit 4 + k = byte k of w1 (the multiply gathers bits
   // 8k + 3 and 8k + 7 to 24 + k and 28 + k; the other partial products land on distinct bits below 24).

@@ -42,55 +42,124 @@ template <int NT>
 using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 
 // Dropout on a strip of probabilities (issue 16), layout as in score_elements; row0 and col0 are multiples of 16.
-// dropout_bits draws the strip's keep bits (kernels may call it early: before the scores are live, or while the
-// tensor cores run; the backward holds them through its step), dropout_zero and pack_a_step_kept apply them.
-// Every lane of the warp must call dropout_bits together (it shuffles).
 // One Philox draw covers a group {i, i+1, i+8, i+9} x {j, j+1, j+8, j+9} of a 16 x 16 block (dropout.cuh): of its
 // four words this lane holds two (query-major: the words of its row parity i % 2 = g % 2; key-major, rows are
 // keys: those of its key parity j % 2 = g % 2), lane g ^ 1 the other two. So each lane pair takes two blocks at
-// a time, each lane draws one and hands the partner the two words it holds (two shuffles): one draw per 16
-// scores, none drawn twice. The bits are collected in a rolled loop (unrolled, the draws' registers spilled the
-// tiles that sit at 255 registers; kUnrolled where there is room, so that ptxas interleaves the Philox chains:
-// the wgmma D=64 forward), 8 per block: block m's bit 4a + 2c + d is word a of the pair, byte 2c + d
-// (query-major: a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2,
-// c = (j / 8) % 2 = e / 2, d = (i / 8) % 2 = n % 2).
+// a time (draw_block_pair): each lane draws one and hands the partner the two words it holds (two shuffles): one
+// draw per 16 scores, none drawn twice. Two forms of the result:
+// - dropout_bits: 8 keep bits a block (block m's bit 4a + 2c + d is word a of the pair, byte 2c + d; query-major:
+//   a = j % 2, c = (j / 8) % 2 = n % 2, d = (i / 8) % 2 = e / 2; key-major: a = i % 2, c = (j / 8) % 2 = e / 2,
+//   d = (i / 8) % 2 = n % 2), in one or two registers, which kernels may hold through a step (the backward does);
+//   dropout_zero and pack_a_step_kept apply them, an FSEL a score. The bits are collected in a rolled loop
+//   (unrolled, the draws' registers spilled the tiles that sit at 255 registers; kUnrolled where there is room, so
+//   that ptxas interleaves the Philox chains).
+// - dropout_msbs (query-major, unrolled): the block's two words as ByteThreshold::msbs leaves them, 16 registers
+//   for a 128-key strip; pack_a_kept ANDs packed P with masks that one PRMT builds from them: 2 instructions a
+//   packed pair against the bits' 5 a word of compares, the gather and an FSEL a score (the ws forward is
+//   issue-bound: its D = 64 step went from 1082 to 1007 SASS instructions, 690 without dropout; s15).
+// Kernels may draw early (before the scores are live, or while the tensor cores run). Every lane of the warp must
+// call them together (they shuffle).
+
+// The lane's words of blocks m and m + 1 of a strip (m even), each in word order a = 0, 1: own from its own draw
+// (block m + g % 2), got from its partner's (block m + 1 - g % 2).
+template <bool kKeyRows, class Dropout>
+__device__ __forceinline__ void draw_block_pair(int m, bool odd, unsigned row_group, unsigned col_group,
+                                                const Dropout& drop, unsigned (&own)[2], unsigned (&got)[2]) {
+  const unsigned cg = col_group + 4u * static_cast<unsigned>(m + odd);
+  const Philox4 r = kKeyRows ? drop.draw_group(cg, row_group) : drop.draw_group(row_group, cg);
+  unsigned give[2];
+  if constexpr (kKeyRows) {  // words 2 (i % 2) + j % 2 with j % 2 = g % 2: (x, z) even, (y, w) odd
+    own[0] = odd ? r.y : r.x, own[1] = odd ? r.w : r.z, give[0] = odd ? r.x : r.y, give[1] = odd ? r.z : r.w;
+  } else {                   // i % 2 = g % 2: (x, y) even, (z, w) odd
+    own[0] = odd ? r.z : r.x, own[1] = odd ? r.w : r.y, give[0] = odd ? r.x : r.z, give[1] = odd ? r.y : r.w;
+  }
+  got[0] = __shfl_xor_sync(0xFFFFFFFFu, give[0], 4);
+  got[1] = __shfl_xor_sync(0xFFFFFFFFu, give[1], 4);
+}
+
+// The counter words of a lane's rows and of its first column group (block m: + 4m).
+template <class Dropout>
+struct LaneGroups {
+  bool odd;  // g % 2: which half of each group
+  unsigned row, col;
+  __device__ __forceinline__ LaneGroups(int row0, int col0) {
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    odd = (lane >> 2) & 1;
+    row = Dropout::group(row0 + (lane >> 2));  // the same for both rows of the lane
+    col = Dropout::group(col0 + (lane & 3) * 2);
+  }
+};
+
 template <int NT, bool kKeyRows, bool kUnrolled = false, class Dropout>
 __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const Dropout& drop) {
   static_assert(NT % 2 == 0 && NT <= 16, "whole 16 x 16 blocks; keep bits in one 64-bit word");
   constexpr int kBlocks = NT / 2;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const bool odd = (lane >> 2) & 1;                                  // g % 2: which half of each group
-  const unsigned row_group = Dropout::group(row0 + (lane >> 2));     // the same for both rows of the lane
-  const unsigned col_group = Dropout::group(col0 + (lane & 3) * 2);  // block m: + 4m
+  const LaneGroups<Dropout> lg(row0, col0);
   const ByteThreshold ge(drop.threshold);
-  // Block m's draw: the lane's two words, and the two it hands to lane g ^ 1 (each pair in word order a = 0, 1).
-  auto draw = [&](int m, unsigned& own0, unsigned& own1, unsigned& give0, unsigned& give1) {
-    const unsigned cg = col_group + 4u * static_cast<unsigned>(m);
-    const Philox4 r = kKeyRows ? drop.draw_group(cg, row_group) : drop.draw_group(row_group, cg);
-    if constexpr (kKeyRows) {  // words 2 (i % 2) + j % 2 with j % 2 = g % 2: (x, z) even, (y, w) odd
-      own0 = odd ? r.y : r.x, own1 = odd ? r.w : r.z, give0 = odd ? r.x : r.y, give1 = odd ? r.z : r.w;
-    } else {                   // i % 2 = g % 2: (x, y) even, (z, w) odd
-      own0 = odd ? r.z : r.x, own1 = odd ? r.w : r.y, give0 = odd ? r.x : r.z, give1 = odd ? r.y : r.w;
-    }
-  };
   using Bits = KeepBits<NT>;
   constexpr int kTop = 8 * static_cast<int>(sizeof(Bits));
   Bits bits = 0;  // filled from the top, 16 bits (two blocks) per step
 #pragma unroll(kUnrolled ? kBlocks / 2 : 1)
   for (int m = 0; m + 1 < kBlocks; m += 2) {  // the even lane draws block m, the odd one m + 1
-    unsigned own0, own1, give0, give1;
-    draw(m + odd, own0, own1, give0, give1);
-    const unsigned got0 = __shfl_xor_sync(0xFFFFFFFFu, give0, 4), got1 = __shfl_xor_sync(0xFFFFFFFFu, give1, 4);
-    const unsigned own = ge.kept8(own0, own1), got = ge.kept8(got0, got1);
-    const unsigned pair = odd ? got | (own << 8) : own | (got << 8);
+    unsigned own[2], got[2];
+    draw_block_pair<kKeyRows>(m, lg.odd, lg.row, lg.col, drop, own, got);
+    const unsigned o8 = ge.kept8(own[0], own[1]), g8 = ge.kept8(got[0], got[1]);
+    const unsigned pair = lg.odd ? g8 | (o8 << 8) : o8 | (g8 << 8);
     bits = (bits >> 16) | (static_cast<Bits>(pair) << (kTop - 16));
   }
   if constexpr (kBlocks % 2 == 1) {  // an odd last block: both lanes draw it (Bc = 16 only)
-    unsigned own0, own1, give0, give1;
-    draw(kBlocks - 1, own0, own1, give0, give1);
-    bits = (bits >> 8) | (static_cast<Bits>(ge.kept8(own0, own1)) << (kTop - 8));
+    const unsigned cg = lg.col + 4u * static_cast<unsigned>(kBlocks - 1);
+    const Philox4 r = kKeyRows ? drop.draw_group(cg, lg.row) : drop.draw_group(lg.row, cg);
+    const unsigned w0 = kKeyRows ? (lg.odd ? r.y : r.x) : (lg.odd ? r.z : r.x);
+    const unsigned w1 = kKeyRows ? (lg.odd ? r.w : r.z) : (lg.odd ? r.w : r.y);
+    bits = (bits >> 8) | (static_cast<Bits>(ge.kept8(w0, w1)) << (kTop - 8));
   }
   return bits >> (kTop - 8 * kBlocks);
+}
+
+// dropout_msbs' form: msb[m][a] is the lane's word a of 16 x 16 block m after ByteThreshold::msbs (bit 7 of byte
+// 2c + d set: score (c, d) of that word kept; the other bits mean nothing).
+template <int NT>
+struct KeepMsbs {
+  unsigned msb[NT / 2][2];
+};
+
+template <int NT, class Dropout>
+__device__ __forceinline__ KeepMsbs<NT> dropout_msbs(int row0, int col0, const Dropout& drop) {
+  static_assert(NT % 4 == 0, "pairs of 16 x 16 blocks");
+  const LaneGroups<Dropout> lg(row0, col0);
+  const ByteThreshold ge(drop.threshold);
+  KeepMsbs<NT> k;
+#pragma unroll
+  for (int m = 0; m < NT / 2; m += 2) {
+    unsigned own[2], got[2];
+    draw_block_pair<false>(m, lg.odd, lg.row, lg.col, drop, own, got);
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      const unsigned o = ge.msbs(own[a]), g = ge.msbs(got[a]);
+      k.msb[m][a] = lg.odd ? g : o, k.msb[m + 1][a] = lg.odd ? o : g;
+    }
+  }
+  return k;
+}
+
+// pack_a of a query-major strip of P with the dropped scores zeroed: packed pair i of block kk (pack_a_step's a[i]:
+// n8 tile 2 kk + i / 2, row half i % 2, so byte i of both words, j even in the low half) is ANDed with a mask that
+// PRMT's sign-replicating selector builds from bit 7 of those bytes (0xFFFF per kept half). fp16 and bf16 zeros
+// are both 0x0000.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_kept(uint32_t (&a)[K][4], const float (&c)[2 * K][4], const KeepMsbs<2 * K>& k) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) {
+    pack_a_step<T>(a[kk], c, kk);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      constexpr unsigned kSel[4] = {0xCC88u, 0xDD99u, 0xEEAAu, 0xFFBBu};  // nibble 8 | byte: replicate its bit 7
+      uint32_t mask;
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(k.msb[kk][0]), "r"(k.msb[kk][1]), "r"(kSel[i]));
+      a[kk][i] &= mask;
+    }
+  }
 }
 
 // Bit of score (n, e) of a strip in its keep bits (dropout_bits' layout).

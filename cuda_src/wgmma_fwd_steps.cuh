@@ -19,6 +19,10 @@ namespace wgmma_fwd {
 
 using mma::uint32_t;
 
+// A tile's keep form (dropout only, mma_softmax.cuh): with kMsbs the words for pack_a_kept's masks, else bits.
+template <bool kMsbs, int NT> struct KeepOf { using type = mma::KeepBits<NT>; };
+template <int NT> struct KeepOf<true, NT> { using type = mma::KeepMsbs<NT>; };
+
 // The products and the per-tile softmax of one warpgroup. kQRows: rows of the Q_i tile in shared memory (its
 // 64-column slabs are kQRows * 128 bytes apart); q_base: this warpgroup's first row in it.
 template <typename T, int D, int Bc, int kQRows, int kStages, bool kUnrolledBits, class Policy>
@@ -27,7 +31,9 @@ struct Steps {
   static constexpr int kSlabBytesK = Bc * 128;
   static constexpr int kTileBytesK = D / 64 * kSlabBytesK;
   static constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
-  using Keep = mma::KeepBits<kNT>;
+  // Plain scores (kUnrolledBits) keep dropout_msbs' 16 words through the softmax and mask the packed P; the others
+  // have no room for them and draw bits rolled, zeroing P an FSEL a score.
+  using Keep = typename KeepOf<Policy::Dropout::kOn && kUnrolledBits, kNT>::type;
   using Elem = T;
 
   const AttentionParams& p;
@@ -64,13 +70,16 @@ struct Steps {
     wgmma::commit();
   }
 
-  // Tile t's dropout keep bits (none without dropout): drawn after S_t and P_{t-1} V_{t-1} are issued, so that
-  // Philox's integer work runs while the tensor cores do (and before the softmax's registers are live).
-  // kUnrolledBits where the registers allow the draws unrolled, so that ptxas interleaves their Philox chains.
+  // Tile t's dropout keep form (none without dropout), drawn first in a step: before the warpgroup waits for its
+  // tiles and its turn, while the other consumers' products run. (Drawn after the turn's products were issued,
+  // ptxas moved the draws up into the turn, between its BAR.SYNC and BAR.ARV, and the next consumer waited for
+  // them: 10% of the D = 64 forward with dropout, s15.) kUnrolledBits where the registers allow the draws
+  // unrolled (ptxas interleaves their Philox chains) and the 16 words of dropout_msbs through the softmax.
   __device__ __forceinline__ Keep keep_bits(int t) const {
-    if constexpr (Policy::Dropout::kOn)
-      return mma::dropout_bits<kNT, false, kUnrolledBits>(q0 + row_w, (kt_end - 1 - t) * Bc, pol.dropout);
-    else return 0u;
+    const int row0 = q0 + row_w, j0 = (kt_end - 1 - t) * Bc;
+    if constexpr (!Policy::Dropout::kOn) return Keep{};
+    else if constexpr (kUnrolledBits) return mma::dropout_msbs<kNT>(row0, j0, pol.dropout);
+    else return mma::dropout_bits<kNT, false>(row0, j0, pol.dropout);
   }
 
   // Mask (only partial tiles) and online softmax: s becomes P_t unrounded.
@@ -83,7 +92,13 @@ struct Steps {
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mma::mask_strip<kNT>(s, row0, j0, pol.mask);
     mma::online_softmax<kNT>(s, c, m_run, l_run, alpha);
     // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
-    if constexpr (Policy::Dropout::kOn) mma::dropout_zero<kNT, false>(s, keep);
+    if constexpr (Policy::Dropout::kOn && !kUnrolledBits) mma::dropout_zero<kNT, false>(s, keep);
+  }
+
+  // P_t as the A operand of P V (dropped scores zeroed, with the masks where the keep form has them).
+  __device__ __forceinline__ void pack_p(uint32_t (&pa)[Bc / 16][4], const float (&s)[kNT][4], const Keep& keep) const {
+    if constexpr (Policy::Dropout::kOn && kUnrolledBits) mma::pack_a_kept<T>(pa, s, keep);
+    else mma::pack_a<T>(pa, s);
   }
 };
 
@@ -103,30 +118,29 @@ template <class St, class Hooks, int kN, int kK>
 __device__ __forceinline__ void pipeline(const St& st, Hooks& hooks, int n_tiles, float (&acc)[kN][4],
                                          float (&m_run)[2], float (&l_run)[2], uint32_t (&pa)[kK][4]) {
   constexpr int kNT = St::kNT;
-  using T = typename St::Elem;
   if (n_tiles > 0) {
     {
       float s[kNT][4], alpha[2];
+      const typename St::Keep keep = st.keep_bits(0);
       hooks.tile_ready(0);
       hooks.turn_begin(true);
       st.issue_s(s, 0);
       hooks.turn_end(false);
-      const typename St::Keep keep = st.keep_bits(0);
       wgmma::wait<0>();
       hooks.k_done(0);
       wgmma::fence_operands(s);
       st.softmax(s, 0, m_run, l_run, alpha, keep);  // acc is still zero: no rescale
-      mma::pack_a<T>(pa, s);
+      st.pack_p(pa, s, keep);
     }
     for (int t = 1; t < n_tiles; ++t) {
       float s[kNT][4], alpha[2];
+      const typename St::Keep keep = st.keep_bits(t);
       hooks.tile_ready(t);
       hooks.v_ready(t - 1);
       hooks.turn_begin(false);
       st.issue_s(s, t);
       st.issue_pv(acc, pa, t - 1);
       hooks.turn_end(false);
-      const typename St::Keep keep = st.keep_bits(t);
       wgmma::wait<1>();  // S_t has landed; P_{t-1} V_{t-1} may still run
       hooks.k_done(t);
       wgmma::fence_operands(s);
@@ -142,7 +156,7 @@ __device__ __forceinline__ void pipeline(const St& st, Hooks& hooks, int n_tiles
         acc[n][2] *= alpha[1];
         acc[n][3] *= alpha[1];
       }
-      mma::pack_a<T>(pa, s);
+      st.pack_p(pa, s, keep);
     }
     hooks.v_ready(n_tiles - 1);
     hooks.turn_begin(false);

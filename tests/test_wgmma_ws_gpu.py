@@ -311,21 +311,23 @@ def test_switch_through_the_api(rng, ws_switch, compiled):
     assert rel_err(o, ro) <= TOL_OUT["bfloat16"], f"varlen o: rel err {rel_err(o, ro):.3g}"
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["masks", "bits"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_dropout_keep_bits_exact(d, causal, rng, compiled):
+def test_dropout_keep_bits_exact(d, causal, softcap, rng, compiled):
     """Every keep bit of the warp-specialised forward equals dropout_mask's (the fixed-bound o check above would
     miss a few wrong bits): with V one-hot on the keys of a 64-key block m (v[j] = e_(j - 64 m) there, 0
     elsewhere), o[i, j - 64 m] = P_ij * keep_ij / ((1 - p) l_i), nonzero exactly where P_ij is kept. One launch per
     block covers every (query, key) of the problem: 192-row (D = 64) or 128-row query tiles, every consumer warp's
-    strip, three key tiles through the ring's slots, GQA heads and two batches."""
+    strip, three key tiles through the ring's slots, GQA heads and two batches. Both keep forms: plain scores AND
+    packed P with PRMT-built masks (dropout_msbs), softcap's zero P by keep bits (dropout_bits)."""
     from cupyflash import dropout_mask
 
     b, hq, hk, nq, nk = 2, 4, 2, 450, 300
     q, k, _ = random_qkv(rng, (b,), hq, hk, nq, nk, d, DTYPES["bfloat16"])
     qd, kd = cupy.asarray(q), cupy.asarray(k)
     seed = int(rng.integers(0, 2**62))
-    p = check_attention(qd, kd, kd, causal=causal, dropout_p=0.17)
+    p = check_attention(qd, kd, kd, causal=causal, softcap=softcap, dropout_p=0.17)
     want = dropout_mask(b, hq, nq, nk, 0.17, seed)
     if causal:  # bottom-right aligned: key j is visible to query i iff j <= i + nk - nq
         want &= np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
