@@ -5,6 +5,10 @@ cuobjdump), to see what a policy adds to a kernel's instruction stream, e.g. dro
 cupyflash::Policy<cupyflash::NoMask, cupyflash::PlainScore>>" ...
     python benchmarks/dev_sass.py call fwd|bwd D DROPOUT_P   # one bf16 call (B=1, H=16, N=8192) for ncu
 
+Without a GPU machine (s15): ``python benchmarks/dev_sass.py local OUTDIR SPEC...`` takes NVRTC's own cubin and
+the ``nvdisasm`` of the ``nvidia-cuda-nvdisasm`` wheel of the same CUDA version (pip install it beside CuPy; it is a
+tool, not a dependency), so the SASS is exactly what the library runs.
+
 Each name is compiled alone: NVRTC to PTX, the toolkit's ptxas to a cubin (NVRTC's own cubins come from a newer
 ptxas than the toolkit's cuobjdump reads, so the PTX's .version is lowered to the toolkit's; the SASS can differ
 from NVRTC's in detail, not in kind), cuobjdump to OUTDIR/<i>.sass; the opcode histogram (mnemonic without
@@ -46,6 +50,35 @@ def cubin(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
     subprocess.run(["ptxas", f"-arch={arch}", path + ".ptx", "-o", path], check=True)
 
 
+def cubin_nvrtc(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
+    """NVRTC's own cubin of one name (getCUBIN drops the image's last byte, a zero: put it back)."""
+    from cupy.cuda import nvrtc
+
+    from cupyflash.kernels.build import compile_options, read_source
+
+    prog = nvrtc.createProgram(read_source(source), source, [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}", "-ftz=true"])
+        image = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    with open(path, "wb") as f:
+        f.write(image + b"\x00" * 8)
+
+
+def nvdisasm() -> str:
+    import glob
+    import shutil
+
+    import nvidia
+
+    found = shutil.which("nvdisasm") or next(iter(glob.glob(f"{nvidia.__path__[0]}/cu*/bin/nvdisasm")), None)
+    if not found:
+        raise SystemExit("no nvdisasm: pip install nvidia-cuda-nvdisasm (the CUDA version of NVRTC)")
+    return found
+
+
 def opcodes(sass: str) -> collections.Counter:
     count: collections.Counter = collections.Counter()
     for line in sass.splitlines():
@@ -55,16 +88,17 @@ def opcodes(sass: str) -> collections.Counter:
     return count
 
 
-def sass_main(outdir: str, specs: list[str]) -> None:
+def sass_main(outdir: str, specs: list[str], local: bool = False) -> None:
     os.makedirs(outdir, exist_ok=True)
     counts = []
     for i, spec in enumerate(specs):
         source, name = spec.split(":", 1)
         path = os.path.join(outdir, f"{i}.cubin")
-        cubin(source, name, path)
-        run = subprocess.run(["cuobjdump", "-sass", path], capture_output=True, text=True)
+        (cubin_nvrtc if local else cubin)(source, name, path)
+        tool = [nvdisasm(), "-c"] if local else ["cuobjdump", "-sass"]
+        run = subprocess.run([*tool, path], capture_output=True, text=True)
         if run.returncode != 0:
-            raise SystemExit(f"cuobjdump -sass {path}: {run.stderr}")
+            raise SystemExit(f"{' '.join(tool)} {path}: {run.stderr}")
         text = run.stdout
         with open(os.path.join(outdir, f"{i}.sass"), "w") as f:
             f.write(f"// {name}\n{text}")
@@ -93,7 +127,7 @@ def call_main(pass_: str, d: int, p: float) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "sass":
-        sass_main(sys.argv[2], sys.argv[3:])
+    if sys.argv[1] in ("sass", "local"):
+        sass_main(sys.argv[2], sys.argv[3:], local=sys.argv[1] == "local")
     else:
         call_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
