@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-import cupyflash as cf  # noqa: E402 - the tree on PYTHONPATH, before dev_ws_ab puts this checkout first
+import cupyflash as cf  # the tree on PYTHONPATH, imported before dev_ws_ab puts this checkout first
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
