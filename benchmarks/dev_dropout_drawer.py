@@ -15,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dev_dropout_ab import DROP, suite_rows  # noqa: E402
 from dev_ws_ab import per_call_ms  # noqa: E402
 
 
@@ -30,9 +31,6 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[2048, 8192, 16384])
     a = ap.parse_args()
     heads = frozenset(wgmma.DRAWER_HEAD_DIMS)
-    bf16 = cp.dtype("bfloat16")
-    rng = cp.random.default_rng(0)
-    drop = {"dropout_p": 0.1, "dropout_seed": 7}
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; bf16, ms per call; ratios: no dropout / "
           "dropout (>= 0.8 is the issue's bar for fwd+bwd)", flush=True)
 
@@ -40,35 +38,26 @@ def main() -> None:
         wgmma.DRAWER_HEAD_DIMS = heads if on else frozenset()
         cuda_backend._backward_cache.clear()  # plans are cached per call signature
 
-    for d in a.d:
-        for n in a.n:
-            b, h = 16384 // n, 2048 // d
-            q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(bf16) for _ in range(4))
-            for causal in (False, True):
-                o0, lse0 = cf.attention_forward(q, k, v, causal=causal)
-                o1, lse1 = cf.attention_forward(q, k, v, causal=causal, **drop)
-                fwd0 = per_call_ms(lambda: cf.attention_forward(q, k, v, causal=causal))
-                fwd1 = per_call_ms(lambda: cf.attention_forward(q, k, v, causal=causal, **drop))
-                bwd0 = per_call_ms(lambda: cf.attention_backward(do, q, k, v, o0, lse0, causal=causal))
-                t: dict[bool, float] = {}
-                grads = {}
-                for rnd in range(2):
-                    for on in ((True, False) if rnd == 0 else (False, True)):
-                        use(on)
-                        grads[on] = cf.attention_backward(do, q, k, v, o1, lse1, causal=causal, **drop)
-                        ms = per_call_ms(lambda: cf.attention_backward(do, q, k, v, o1, lse1, causal=causal, **drop))
-                        t[on] = min(t.get(on, ms), ms)
-                use(True)
-                same = all(bool((x == y).all()) for x, y in zip(grads[True][1:3], grads[False][1:3]))
-                dq_err = float(cp.abs(grads[True][0].astype(cp.float32) - grads[False][0].astype(cp.float32)).max())
-                print(f"D={d} N={n} B={b} {'causal' if causal else 'full  '}: fwd {fwd0:.3f}/{fwd1:.3f} "
-                      f"({fwd0 / fwd1:.3f}) | bwd {bwd0:.3f} / drawer {t[True]:.3f} ({bwd0 / t[True]:.3f}) / "
-                      f"in-warp {t[False]:.3f} ({bwd0 / t[False]:.3f}) | fwd+bwd drawer "
-                      f"{(fwd0 + bwd0) / (fwd1 + t[True]):.3f} in-warp {(fwd0 + bwd0) / (fwd1 + t[False]):.3f} | "
-                      f"dK,dV equal {same}, dQ max diff {dq_err:.2e}", flush=True)
-            q = k = v = do = o0 = o1 = None  # noqa: F841 - free before the next shape
-            grads = {}
-            cp.get_default_memory_pool().free_all_blocks()
+    for r in suite_rows(a.d, a.n):
+        t: dict[bool, float] = {}
+        grads = {}
+        for rnd in range(2):
+            for on in ((True, False) if rnd == 0 else (False, True)):
+                use(on)
+                args = (r.do, r.q, r.k, r.v, r.o1, r.lse1)
+                grads[on] = cf.attention_backward(*args, causal=r.causal, **DROP)
+                ms = per_call_ms(lambda: cf.attention_backward(*args, causal=r.causal, **DROP))
+                t[on] = min(t.get(on, ms), ms)
+        use(True)
+        same = all(bool((x == y).all()) for x, y in zip(grads[True][1:3], grads[False][1:3]))
+        dq_err = float(cp.abs(grads[True][0].astype(cp.float32) - grads[False][0].astype(cp.float32)).max())
+        fwd0, fwd1, bwd0 = r.fwd0, r.fwd1, r.bwd0
+        print(f"D={r.d} N={r.n} B={r.b} {'causal' if r.causal else 'full  '}: fwd {fwd0:.3f}/{fwd1:.3f} "
+              f"({fwd0 / fwd1:.3f}) | bwd {bwd0:.3f} / drawer {t[True]:.3f} ({bwd0 / t[True]:.3f}) / "
+              f"in-warp {t[False]:.3f} ({bwd0 / t[False]:.3f}) | fwd+bwd drawer "
+              f"{(fwd0 + bwd0) / (fwd1 + t[True]):.3f} in-warp {(fwd0 + bwd0) / (fwd1 + t[False]):.3f} | "
+              f"dK,dV equal {same}, dQ max diff {dq_err:.2e}", flush=True)
+        grads = {}
 
 
 if __name__ == "__main__":

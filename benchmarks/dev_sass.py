@@ -27,7 +27,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def cubin(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
+def _nvrtc(source: str, name: str, arch_option: str, fetch: str):
+    """One name compiled alone by NVRTC with the library's options; fetch: "getPTX" or "getCUBIN"."""
     from cupy.cuda import nvrtc
 
     from cupyflash.kernels.build import compile_options, read_source
@@ -35,10 +36,14 @@ def cubin(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
     prog = nvrtc.createProgram(read_source(source), source, [], [])
     try:
         nvrtc.addNameExpression(prog, name)
-        nvrtc.compileProgram(prog, [*compile_options(), f"-arch=compute_{arch[3:]}", "-ftz=true"])
-        ptx = nvrtc.getPTX(prog)
+        nvrtc.compileProgram(prog, [*compile_options(), arch_option, "-ftz=true"])
+        return getattr(nvrtc, fetch)(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def cubin(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
+    ptx = _nvrtc(source, name, f"-arch=compute_{arch[3:]}", "getPTX")
     ptx = (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
     release = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True,
                                                                  text=True).stdout)  # fmt: skip
@@ -52,19 +57,8 @@ def cubin(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
 
 def cubin_nvrtc(source: str, name: str, path: str, arch: str = "sm_90a") -> None:
     """NVRTC's own cubin of one name (getCUBIN drops the image's last byte, a zero: put it back)."""
-    from cupy.cuda import nvrtc
-
-    from cupyflash.kernels.build import compile_options, read_source
-
-    prog = nvrtc.createProgram(read_source(source), source, [], [])
-    try:
-        nvrtc.addNameExpression(prog, name)
-        nvrtc.compileProgram(prog, [*compile_options(), f"-arch={arch}", "-ftz=true"])
-        image = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
     with open(path, "wb") as f:
-        f.write(image + b"\x00" * 8)
+        f.write(_nvrtc(source, name, f"-arch={arch}", "getCUBIN") + b"\x00" * 8)
 
 
 def nvdisasm() -> str:
