@@ -40,10 +40,10 @@ struct ByteThreshold {
   }
   // The bytes' low seven bits plus add's: bit 7 of each byte is the carry into its top bit.
   __device__ __forceinline__ unsigned low_sums(unsigned w) const { return (w & 0x7F7F7F7Fu) + add; }
-  // The carries of w's bytes at bits 7, 15, 23, 31.
+  // The carries of w's bytes at bits 7, 15, 23, 31 (msbs of w's top bits alone: top has no other bits).
   __device__ __forceinline__ unsigned carries(unsigned w) const {
-    const unsigned x = low_sums(w);
-    return ((w & x) | ((w | x) & top)) & 0x80808080u;
+    const unsigned x = low_sums(w), t = w & 0x80808080u;
+    return (t & x) | (t & top) | (x & top);
   }
   // The same carries with whatever the other bits hold (for users that read bit 7 of each byte only): the majority
   // of the byte's top bit, that of 256 - threshold and the carry into them, one LOP3.

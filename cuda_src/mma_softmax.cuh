@@ -117,6 +117,30 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
   return bits >> (kTop - 8 * kBlocks);
 }
 
+// dropout_bits<NT, true> of both lanes of a key-major lane pair (lanes 8 c + t and 8 c + 4 + t: keys key_pair,
+// key_pair + 1 and + 8, + 9; queries query0 + 2t.. of each 16 x 16 block), drawn by one thread with no exchange:
+// for a drawer that hands them over through shared memory. Word h of each holds blocks 4h.. (32-bit halves of
+// KeepBits<NT>). A rolled loop: a drawer keeps few registers.
+template <int NT, class Dropout>
+__device__ __forceinline__ void dropout_bits_pair(int key_pair, int query0, const Dropout& drop,
+                                                  unsigned (&even)[(NT / 2 + 3) / 4], unsigned (&odd)[(NT / 2 + 3) / 4]) {
+  static_assert(NT % 8 == 0, "whole 32-bit words: 4 blocks each");
+  const ByteThreshold ge(drop.threshold);
+  const unsigned key_group = Dropout::group(key_pair);
+  unsigned query_group = Dropout::group(query0);
+#pragma unroll
+  for (int h = 0; h < NT / 8; ++h) {
+    unsigned e = 0, o = 0;
+#pragma unroll 1
+    for (int m = 0; m < 4; ++m, query_group += 4) {  // words 2 (i % 2) + j % 2: the even key's x, z; the odd's y, w
+      const Philox4 r = drop.draw_group(query_group, key_group);
+      e = (e >> 8) | (ge.kept8(r.x, r.z) << 24);
+      o = (o >> 8) | (ge.kept8(r.y, r.w) << 24);
+    }
+    even[h] = e, odd[h] = o;
+  }
+}
+
 // dropout_msbs' form: msb[m][a] is the lane's word a of 16 x 16 block m after ByteThreshold::msbs (bit 7 of byte
 // 2c + d set: score (c, d) of that word kept; the other bits mean nothing).
 template <int NT>
@@ -209,14 +233,19 @@ __device__ __forceinline__ void pack_a_step_kept(uint32_t (&a)[4], const float (
 
 // The backward's P^T = exp2(S^T * c - lse * log2 e) on a key-major strip: column n8 tile n, pair
 // 2t, 2t+1 of this lane takes lse_cols[8n], [8n + 1] (the lane's query pair; lse in natural log).
-// A query that saw no key (lse = -inf) gets P = 0 even where its scores are -inf.
-template <int NT>
+// A query that saw no key (lse = -inf) gets P = 0 even where its scores are -inf. kLog2: lse_cols holds
+// log2_lse's values already (made once a step in shared memory instead of in every lane).
+__device__ __forceinline__ float log2_lse(float lse, float log2_z = 0.f) {
+  return lse == -CUDART_INF_F ? CUDART_INF_F : fmaf(lse, kLog2e, -log2_z);
+}
+template <int NT, bool kLog2 = false>
 __device__ __forceinline__ void probs_from_lse(float (&s)[NT][4], float c, const float* lse_cols) {
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const float2 ls = *reinterpret_cast<const float2*>(lse_cols + n * 8);
-    const float2 l2 = make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
-                                  ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
+    const float2 l2 = kLog2 ? ls
+                            : make_float2(ls.x == -CUDART_INF_F ? CUDART_INF_F : ls.x * kLog2e,
+                                          ls.y == -CUDART_INF_F ? CUDART_INF_F : ls.y * kLog2e);
     s[n][0] = fast_exp2(fmaf(s[n][0], c, -l2.x));
     s[n][1] = fast_exp2(fmaf(s[n][1], c, -l2.y));
     s[n][2] = fast_exp2(fmaf(s[n][2], c, -l2.x));
@@ -348,6 +377,21 @@ __device__ __forceinline__ void ds_tile(float (&ds)[4], const float (&pt)[4], co
   } else {
     const auto factor = [&](float P, float l2, int q, int k) { return score.template ds_factor<true>(P, l2, q, k); };
     ds_elements<kZ>(ds, pt, dpt, delta_q, lse_q, score, key0, q0, grad_owner, z, factor);
+  }
+}
+
+// dS^T of one key-major C tile (n8 tile n of the keep bits' strip) with dropout on plain scores, from pz = P^T z
+// (z = 1 / (1 - p)) and delta_q = Delta / z: P (Z dP - Delta) = pz (dP - delta_q) where kept and -pz delta_q where
+// dropped. An FMUL and an FFMA predicated on the keep bit, as many instructions as without dropout (dropout_zero's
+// FSEL and ds_tile's z take one more a score).
+template <int NT>
+__device__ __forceinline__ void ds_tile_kept(float (&ds)[4], const float (&pz)[4], const float (&dpt)[4],
+                                             float2 delta_q, KeepBits<NT> bits, int n) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float u = -pz[e] * ((e & 1) ? delta_q.y : delta_q.x);
+    if (is_kept<NT, true>(bits, n, e)) u = fmaf(pz[e], dpt[e], u);
+    ds[e] = u;
   }
 }
 

@@ -12,11 +12,13 @@
 // Br = 64 (each 64 rows x D/2, a 64-column slab of K_j). Every tile is 64-column slabs of TileLayout<64>
 // (the 128-byte swizzle of wgmma_primitives.cuh); D is the padded head dim, d the true one.
 //
-// kDrawer (dropout only): a third warpgroup, the drawer, draws every step's keep bits (dropout_bits, Philox) into a
-// ring in shared memory, kKeepSlots steps ahead, while the two warpgroups that compute load them (one 4- or
-// 8-byte load a step). The backward waits on latency (two warps a scheduler), so the drawer's dependent Philox
-// chains fill issue slots that stood idle instead of lengthening the compute warps' steps. Its warpgroup gives
-// its registers to them (setmaxnreg), and it takes no part in their barriers (named barrier 1 of 256 threads).
+// kDrawer (dropout only): a third warpgroup, the drawer, draws every step's keep bits (Philox) into a ring in shared
+// memory, kKeepSlots steps ahead, while the two warpgroups that compute load them (32 bits at a time). The backward
+// waits on latency (two warps a scheduler), so the drawer's dependent Philox chains fill issue slots that stood idle
+// instead of lengthening the compute warps' steps; the compute warpgroups hand a slot back where they wait on the
+// tensor cores, which is when the drawer runs. Each drawer thread draws both lanes of a lane pair
+// (dropout_bits_pair: no shuffles). Its warpgroup gives its registers to the compute warpgroups (setmaxnreg), and it
+// takes no part in their barriers (named barrier 1 of 256 threads).
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "wgmma_primitives.cuh"
@@ -33,8 +35,8 @@ using DrawerRegs = ws::WsRegs<2>;
 constexpr int kKeepSlots = 4;  // steps the drawer may run ahead (plans.wgmma.KEEP_SLOTS)
 
 // 32-bit word w of a lane's keep bits from the drawer's ring, in its place (the other bits 0): loaded where each
-// use is, volatile so that the uses load again instead of holding the bits (held through the step, they spilled
-// the tiles at the compute warpgroups' 240 registers).
+// use is (word 0 early), volatile so that the uses load again instead of holding the bits (held through the step,
+// they spilled the tiles at the compute warpgroups' 240 registers).
 template <typename Keep>
 __device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
   unsigned x;
@@ -131,9 +133,13 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
       ws::mbar_init_fence();
     }
     __syncthreads();  // the last barrier of all 384 threads
-    if (threadIdx.x >= kThreads) {  // the drawer: warp w draws the strips of warp w of each compute warpgroup
+    if (threadIdx.x >= kThreads) {  // the drawer: warp w draws the strips of warp w of both compute warpgroups
       ws::regs_dec<DrawerRegs::kProducerRegs>();
       const int w = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+      // Lane 16 g + 4 c + t draws the lane pair (8 c + t, 8 c + 4 + t) of warp w's strip in warpgroup g.
+      static_assert(kWG == 2, "32 lane pairs: 16 a strip, two strips");
+      constexpr int kWords = sizeof(Keep) / 4;
+      const int g = lane / 16, c = (lane / 4) % 4, t = lane % 4;
       Keep* const sKeep = reinterpret_cast<Keep*>(at(sKeep_u));
       for (int it = 0; it < total; ++it) {
         int hh, i0;
@@ -142,10 +148,11 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
         drop.at_head(p, b, hh);
         ws::mbar_wait(keep_pipe.empty(it), ws::Ring<kKeepSlots>::refill_parity(it));
         Keep* const slot = sKeep + ws::Ring<kKeepSlots>::slot(it) * kKeepPerSlot;
+        unsigned even[kWords], odd[kWords];
+        dropout_bits_pair<kNQ>(j0 + g * 64 + w * 16 + 2 * c, i0 + 2 * t, drop, even, odd);
+        unsigned* const words = reinterpret_cast<unsigned*>(slot + (g * 4 + w) * 32 + 8 * c + t);
 #pragma unroll
-        for (int g = 0; g < kWG; ++g) {
-          slot[(g * 4 + w) * 32 + lane] = dropout_bits<kNQ, true>(j0 + g * 64 + w * 16, i0, drop);
-        }
+        for (int h = 0; h < kWords; ++h) words[h] = even[h], words[4 * kWords + h] = odd[h];
         ws::mbar_arrive(keep_pipe.full(it));
       }
       return;
@@ -212,6 +219,14 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   }
 
   const int key_w = j0 + wg * 64 + warp * 16;  // first key of this warp's strip
+  // Dropout on plain scores: P^T comes out times z = 1 / (1 - p) (log2_z in its exponent) and Delta times 1 - p, so
+  // that dS takes as many instructions as without dropout (ds_tile_kept) and dV no final scale. Once a step, the
+  // thread that copied a query's lse or Delta turns it into what the loop uses (log2_lse with log2_z, Delta / z),
+  // in shared memory, instead of every lane on every n8 tile (without dropout the same measured no faster, s16,
+  // and the kernels keep their PTX).
+  constexpr bool kFoldZ = Policy::Dropout::kOn && Policy::Score::kIdentity;
+  const float keep_fraction = static_cast<float>(256 - static_cast<int>(p.dropout_threshold)) * (1.f / 256.f);
+  const float log2_z = -log2f(keep_fraction);
   const uint32_t k_base = sK_u + wg * 64 * 128;  // this warpgroup's 64 keys inside each slab
   const uint32_t v_base = sV_u + wg * 64 * 128;
 
@@ -220,6 +235,13 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     int hh, i0;
     tile_of(it, hh, i0);
     cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
+    if constexpr (kFoldZ) {  // the lse or Delta this thread copied (load_step), in place
+      const int tid = threadIdx.x;
+      if (tid < 2 * Br) {
+        float& x = sStat[buf * 2 * Br + tid];
+        x = tid < Br ? log2_lse(x, log2_z) : x * keep_fraction;
+      }
+    }
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
     sync_block<kSync>();           // ...for every warpgroup, which are all done with step it-1 (and dS^T)
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
@@ -271,6 +293,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     };
     if constexpr (kDrawer) {
       ws::mbar_wait(keep_pipe.full(it), ws::Ring<kKeepSlots>::fill_parity(it));
+      keep = ring_keep_word<Keep>(keep_u(), 0);  // the first word before the wait for S^T: its latency off the path
     } else if constexpr (kEarlyBits) {
       typename Policy::Dropout drop(p);
       drop.at_head(p, b, hh);
@@ -290,16 +313,16 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     use_score_tile(pol.score, sScore_u + buf * kScoreBytes, i0, j0);
     const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
-    probs_from_lse<kNQ>(st, c, lse_b);
+    probs_from_lse<kNQ, kFoldZ>(st, c, lse_b);
     // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows). With dropout
-    // dV takes the kept P (times 1 / (1 - p) at the end) and dS all of P, with dP zeroed where dropped.
+    // dV takes the kept P (times 1 / (1 - p): in P^T with kFoldZ, else at the end) and dS all of P.
     uint32_t pt[Br / 16][4];
     if constexpr (Policy::Dropout::kOn) {
       if constexpr (!kEarlyBits && !kDrawer) keep = dropout_bits<kNQ, true>(key_w, i0, pol.dropout);
 #pragma unroll
       for (int kk = 0; kk < Br / 16; ++kk) {
         if constexpr (kDrawer) {  // a 32-bit word of the bits at a time (n8 tiles 8w.. of word w)
-          if (kk % 4 == 0) keep = ring_keep_word<Keep>(keep_u(), kk / 4);
+          if (kk % 4 == 0 && kk > 0) keep = ring_keep_word<Keep>(keep_u(), kk / 4);
         }
         pack_a_step_kept<T>(pt[kk], st, kk, keep);
       }
@@ -321,14 +344,17 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     for (int n = 0; n < kNQ; ++n) {
       if constexpr (kDrawer) {
         if (n % 8 == 0) keep = ring_keep_word<Keep>(keep_u(), n / 8);
-        if (n == kNQ - 1) ws::mbar_arrive(keep_pipe.empty(it));  // every load is done: the slot is the drawer's
       }
       const float2 dl = *reinterpret_cast<const float2*>(delta_b + n * 8);
       float2 lq = {0.f, 0.f};
       if constexpr (!Policy::Score::kIdentity) lq = *reinterpret_cast<const float2*>(lse_b + n * 8);
-      if constexpr (Policy::Dropout::kOn) dropout_zero<kNQ, true>(dpt[n], keep, n);
-      ds_tile<Policy::Dropout::kOn>(dpt[n], st[n], dpt[n], dl, lq, pol.score, key_w, i0 + n * 8, true,
-                                    pol.dropout.scale);
+      if constexpr (kFoldZ) {
+        ds_tile_kept<kNQ>(dpt[n], st[n], dpt[n], dl, keep, n);
+      } else {
+        if constexpr (Policy::Dropout::kOn) dropout_zero<kNQ, true>(dpt[n], keep, n);
+        ds_tile<Policy::Dropout::kOn>(dpt[n], st[n], dpt[n], dl, lq, pol.score, key_w, i0 + n * 8, true,
+                                      pol.dropout.scale);
+      }
     }
     pack_a<T>(dst, dpt);
     wgmma::fence();
@@ -372,6 +398,10 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
                                   wgmma::desc_sw128(k_b + kk * 16 * 128), kk > 0);
     }
     wgmma::commit();
+    // The step's keep bits are all loaded: the slot goes back to the drawer now, so that its next draws (a burst of
+    // Philox) run while this warpgroup waits for dV, dK and dQ. Released after the last load (in the dS loop),
+    // they ran beside the dS arithmetic and the D = 64 backward took 4% longer (s16).
+    if constexpr (kDrawer) ws::mbar_arrive(keep_pipe.empty(it));
     // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the tensor cores' dK and dQ.
     int turn_seen = 0;
     if constexpr (!kOwnDQ) turn_seen = dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
@@ -412,7 +442,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   cp_async_wait<0>();
 
   // dV_j and scale * dK_j (this warp's 16 keys); with dropout dV took P * keep: times 1 / (1 - p).
-  if constexpr (Policy::Dropout::kOn) {
+  if constexpr (Policy::Dropout::kOn && !kFoldZ) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
 #pragma unroll

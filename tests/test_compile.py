@@ -76,9 +76,9 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
     **{(f"wgmma_flash_fwd_ws<{ct}, 64, 128, 3, 4, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore>>", "*"): 8
        for ct in ("__half", "__nv_bfloat16")},
     # The wgmma backward with dropout's keep-bit drawer (issue 16): its compute warpgroups hold 240 registers (the
-    # drawer keeps 24 of the 3 x 168), where the D = 64 kernel without dropout takes 241: 28/28 B (24 B stack) at
-    # D = 64, 8/8 B at D = 128 (NVRTC 13.5; plain or causal). Measured faster all the same (benchmarks/NOTES.md,
-    # s14: backward with dropout 0.79-0.80x -> 0.83-0.86x of no dropout at D = 64).
+    # drawer keeps 24 of the 3 x 168), where the D = 64 kernel without dropout takes 241: 12/12 B (16 B stack) at
+    # D = 64, 0 B at D = 128 (NVRTC 13.5, s16; 28/28 B and 8/8 B before dS folded Z). Measured faster all the same
+    # (benchmarks/NOTES.md, s14: backward with dropout 0.79-0.80x -> 0.83-0.86x of no dropout at D = 64).
     **{(f"wgmma_flash_bwd<{ct}, {d}, {br}, 2, 2, cupyflash::Policy<cupyflash::{mask}, cupyflash::PlainScore, "
         f"cupyflash::Dropout>, {own}, true>", "*"): 32 if d == 64 else 16
        for ct in ("__half", "__nv_bfloat16") for d, br in ((64, 128), (128, 64)) for mask in ("NoMask", "Causal")
