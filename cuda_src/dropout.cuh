@@ -12,7 +12,8 @@
 //   pol.dropout.factor(i, j)       // keep ? scale : 0 (1 without dropout)
 //   pol.dropout.draw_group(gi, gj) // one draw: the 16 bytes of row group gi x column group gj
 //   Policy::Dropout::kOn           // false for NoDropout: kernels compile the dropout code out
-// The tensor-core kernels draw a strip's groups through dropout_bits (mma_softmax.cuh): one per 16 scores.
+// The tensor-core kernels draw a strip's groups through dropout_bits, dropout_bits_pair or dropout_msbs
+// (mma_softmax.cuh): one draw per 16 scores.
 #pragma once
 #include "attention_params.cuh"
 #include "philox.cuh"

@@ -53,6 +53,8 @@ using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 //   dropout_zero and pack_a_step_kept apply them, an FSEL a score. The bits are collected in a rolled loop
 //   (unrolled, the draws' registers spilled the tiles that sit at 255 registers; kUnrolled where there is room, so
 //   that ptxas interleaves the Philox chains).
+// - dropout_bits_pair (key-major): dropout_bits of both lanes of a pair, drawn by one thread without shuffles (the
+//   wgmma backward's drawer, which hands them over through shared memory).
 // - dropout_msbs (query-major, unrolled): the block's two words as ByteThreshold::msbs leaves them, 16 registers
 //   for a 128-key strip; pack_a_kept ANDs packed P with masks that one PRMT builds from them: 2 instructions a
 //   packed pair against the bits' 5 a word of compares, the gather and an FSEL a score (the ws forward is
@@ -123,7 +125,7 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
 // KeepBits<NT>). A rolled loop: a drawer keeps few registers.
 template <int NT, class Dropout>
 __device__ __forceinline__ void dropout_bits_pair(int key_pair, int query0, const Dropout& drop,
-                                                  unsigned (&even)[(NT / 2 + 3) / 4], unsigned (&odd)[(NT / 2 + 3) / 4]) {
+                                                  unsigned (&even)[NT / 8], unsigned (&odd)[NT / 8]) {
   static_assert(NT % 8 == 0, "whole 32-bit words: 4 blocks each");
   const ByteThreshold ge(drop.threshold);
   const unsigned key_group = Dropout::group(key_pair);
