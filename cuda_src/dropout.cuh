@@ -41,17 +41,13 @@ struct ByteThreshold {
   }
   // The bytes' low seven bits plus add's: bit 7 of each byte is the carry into its top bit.
   __device__ __forceinline__ unsigned low_sums(unsigned w) const { return (w & 0x7F7F7F7Fu) + add; }
-  // The carries of w's bytes at bits 7, 15, 23, 31 (msbs of w's top bits alone: top has no other bits).
-  __device__ __forceinline__ unsigned carries(unsigned w) const {
-    const unsigned x = low_sums(w), t = w & 0x80808080u;
-    return (t & x) | (t & top) | (x & top);
-  }
-  // The same carries with whatever the other bits hold (for users that read bit 7 of each byte only): the majority
-  // of the byte's top bit, that of 256 - threshold and the carry into them, one LOP3.
-  __device__ __forceinline__ unsigned msbs(unsigned w) const {
-    const unsigned x = low_sums(w);
-    return (w & x) | (w & top) | (x & top);
-  }
+  // Bit 7 of each byte: the majority of the byte's top bit (from t), that of 256 - threshold and the carry into
+  // them (from x = low_sums), one LOP3.
+  __device__ __forceinline__ unsigned majority(unsigned t, unsigned x) const { return (t & x) | (t & top) | (x & top); }
+  // The carries of w's bytes at bits 7, 15, 23, 31 (top has no other bits, so neither has the result).
+  __device__ __forceinline__ unsigned carries(unsigned w) const { return majority(w & 0x80808080u, low_sums(w)); }
+  // The same carries with whatever the other bits hold (for users that read bit 7 of each byte only).
+  __device__ __forceinline__ unsigned msbs(unsigned w) const { return majority(w, low_sums(w)); }
   // Keep bits of two words: bit k = byte k of w0 kept, bit 4 + k = byte k of w1 (the multiply gathers bits
   // 8k + 3 and 8k + 7 to 24 + k and 28 + k; the other partial products land on distinct bits below 24).
   __device__ __forceinline__ unsigned kept8(unsigned w0, unsigned w1) const {

@@ -62,6 +62,14 @@ using KeepBits = typename KeepBitsOf<NT / 2 <= 4>::type;
 // Kernels may draw early (before the scores are live, or while the tensor cores run). Every lane of the warp must
 // call them together (they shuffle).
 
+// The two words of a draw that the lane with g % 2 = odd holds, in word order a = 0, 1: words 2 (i % 2) + j % 2, so
+// key-major (j % 2 = g % 2) (x, z) even, (y, w) odd; query-major (i % 2 = g % 2) (x, y) even, (z, w) odd.
+template <bool kKeyRows>
+__device__ __forceinline__ void half_words(const Philox4& r, bool odd, unsigned (&w)[2]) {
+  if constexpr (kKeyRows) w[0] = odd ? r.y : r.x, w[1] = odd ? r.w : r.z;
+  else w[0] = odd ? r.z : r.x, w[1] = odd ? r.w : r.y;
+}
+
 // The lane's words of blocks m and m + 1 of a strip (m even), each in word order a = 0, 1: own from its own draw
 // (block m + g % 2), got from its partner's (block m + 1 - g % 2).
 template <bool kKeyRows, class Dropout>
@@ -70,11 +78,8 @@ __device__ __forceinline__ void draw_block_pair(int m, bool odd, unsigned row_gr
   const unsigned cg = col_group + 4u * static_cast<unsigned>(m + odd);
   const Philox4 r = kKeyRows ? drop.draw_group(cg, row_group) : drop.draw_group(row_group, cg);
   unsigned give[2];
-  if constexpr (kKeyRows) {  // words 2 (i % 2) + j % 2 with j % 2 = g % 2: (x, z) even, (y, w) odd
-    own[0] = odd ? r.y : r.x, own[1] = odd ? r.w : r.z, give[0] = odd ? r.x : r.y, give[1] = odd ? r.z : r.w;
-  } else {                   // i % 2 = g % 2: (x, y) even, (z, w) odd
-    own[0] = odd ? r.z : r.x, own[1] = odd ? r.w : r.y, give[0] = odd ? r.x : r.z, give[1] = odd ? r.y : r.w;
-  }
+  half_words<kKeyRows>(r, odd, own);
+  half_words<kKeyRows>(r, !odd, give);
   got[0] = __shfl_xor_sync(0xFFFFFFFFu, give[0], 4);
   got[1] = __shfl_xor_sync(0xFFFFFFFFu, give[1], 4);
 }
@@ -112,9 +117,9 @@ __device__ __forceinline__ KeepBits<NT> dropout_bits(int row0, int col0, const D
   if constexpr (kBlocks % 2 == 1) {  // an odd last block: both lanes draw it (Bc = 16 only)
     const unsigned cg = lg.col + 4u * static_cast<unsigned>(kBlocks - 1);
     const Philox4 r = kKeyRows ? drop.draw_group(cg, lg.row) : drop.draw_group(lg.row, cg);
-    const unsigned w0 = kKeyRows ? (lg.odd ? r.y : r.x) : (lg.odd ? r.z : r.x);
-    const unsigned w1 = kKeyRows ? (lg.odd ? r.w : r.z) : (lg.odd ? r.w : r.y);
-    bits = (bits >> 8) | (static_cast<Bits>(ge.kept8(w0, w1)) << (kTop - 8));
+    unsigned w[2];
+    half_words<kKeyRows>(r, lg.odd, w);
+    bits = (bits >> 8) | (static_cast<Bits>(ge.kept8(w[0], w[1])) << (kTop - 8));
   }
   return bits >> (kTop - 8 * kBlocks);
 }
@@ -134,10 +139,13 @@ __device__ __forceinline__ void dropout_bits_pair(int key_pair, int query0, cons
   for (int h = 0; h < NT / 8; ++h) {
     unsigned e = 0, o = 0;
 #pragma unroll 1
-    for (int m = 0; m < 4; ++m, query_group += 4) {  // words 2 (i % 2) + j % 2: the even key's x, z; the odd's y, w
+    for (int m = 0; m < 4; ++m, query_group += 4) {
       const Philox4 r = drop.draw_group(query_group, key_group);
-      e = (e >> 8) | (ge.kept8(r.x, r.z) << 24);
-      o = (o >> 8) | (ge.kept8(r.y, r.w) << 24);
+      unsigned we[2], wo[2];
+      half_words<true>(r, false, we);
+      half_words<true>(r, true, wo);
+      e = (e >> 8) | (ge.kept8(we[0], we[1]) << 24);
+      o = (o >> 8) | (ge.kept8(wo[0], wo[1]) << 24);
     }
     even[h] = e, odd[h] = o;
   }

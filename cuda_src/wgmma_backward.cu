@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask, kSync>(p, opaque(b), j0, total, tile_of);
   cp_async_wait<0>();
 
-  // dV_j and scale * dK_j (this warp's 16 keys); with dropout dV took P * keep: times 1 / (1 - p).
+  // dV_j and scale * dK_j (this warp's 16 keys); with dropout and no kFoldZ dV took P * keep: times 1 / (1 - p).
   if constexpr (Policy::Dropout::kOn && !kFoldZ) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
