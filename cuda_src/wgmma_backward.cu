@@ -357,12 +357,6 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
       }
     }
     pack_a<T>(dst, dpt);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < Br / 16; ++kk) {
-      wgmma::mma_rs<T, D>(acc_dk, dst[kk], wgmma::desc_sw128(q_u + kk * 16 * 128, kSlabBytesQ));
-    }
-    wgmma::commit();
     {
       // dS^T row r (key), queries 16kk.. of slab kk / 4: the C-fragment pairs, 4-byte stores into the
       // swizzled rows (the 8 rows of a store hit 8 different 16-byte bank groups).
@@ -398,6 +392,13 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
                                   wgmma::desc_sw128(k_b + kk * 16 * 128), kk > 0);
     }
     wgmma::commit();
+    // dK_g += dS^T Q_i, issued after dQ's product: dQ's adds below then run while the tensor cores do dK (issued
+    // first, dK ran under the dS^T stores and the barrier, and the adds waited for both products).
+#pragma unroll
+    for (int kk = 0; kk < Br / 16; ++kk) {
+      wgmma::mma_rs<T, D>(acc_dk, dst[kk], wgmma::desc_sw128(q_u + kk * 16 * 128, kSlabBytesQ));
+    }
+    wgmma::commit();
     // The step's keep bits are all loaded: the slot goes back to the drawer now, so that its next draws (a burst of
     // Philox) run while this warpgroup waits for dV, dK and dQ. Released after the last load (in the dS loop),
     // they ran beside the dS arithmetic and the D = 64 backward took 4% longer (s16).
@@ -405,12 +406,10 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     // Deterministic: thread 0 reads dQ_i's turn now, its L2 round trip under the tensor cores' dK and dQ.
     int turn_seen = 0;
     if constexpr (!kOwnDQ) turn_seen = dq_turn_peek(dq_turn_slot<Br>(p, b, hh, i0));
-    wgmma::wait<0>();  // dV, dK and dQ have landed: pt, dst and the accumulators are free
+    wgmma::wait<1>();  // dV and dQ have landed (dK may still run): pt, acc_dq and acc_dv are free
     wgmma::fence_operands(acc_dq);
-    wgmma::fence_operands(acc_dk);
     wgmma::fence_operands(acc_dv);
     wgmma::fence_operands(pt);
-    wgmma::fence_operands(dst);
     if constexpr (!kOwnDQ) {  // deterministic: add after the earlier key tiles
       int* const turn_slot = dq_turn_slot<Br>(p, b, hh, i0);
       const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
@@ -437,6 +436,9 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
         }
       }
     }
+    wgmma::wait<0>();  // dK has landed: dst and acc_dk are free
+    wgmma::fence_operands(acc_dk);
+    wgmma::fence_operands(dst);
   }
   if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask, kSync>(p, opaque(b), j0, total, tile_of);
   cp_async_wait<0>();
