@@ -18,6 +18,7 @@ us per call.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -74,7 +75,7 @@ class FakeDevice:
     def empty(self, shape: Any, dtype: Any = float, order: str = "C") -> Any:
         dt = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        return self.cupy.ndarray(shape, dt, memptr=self.alloc(int(np.prod(shape)) * dt.itemsize), order=order)
+        return self.cupy.ndarray(shape, dt, memptr=self.alloc(math.prod(shape) * dt.itemsize), order=order)
 
     def array(self, shape: tuple[int, ...], dtype: Any, offset: int = 0, strides: tuple[int, ...] | None = None) -> Any:
         """An input array at a fixed place of the fake range (``offset`` bytes in: 0 is 256-byte aligned)."""
@@ -110,9 +111,18 @@ class FakeDevice:
         return self
 
     def restore(self) -> None:
+        """Undo the patches and forget every cached launch made under them (their function handles are fake):
+        the dense, varlen and KV-cache signature caches, the linear kernels' launches."""
+        from cupyflash import cuda_backend, kvcache, varlen_cuda
+        from cupyflash.kernels import build, linear
+
         while self._saved:
             owner, name, value = self._saved.pop()
             setattr(owner, name, value)
+        for cache in (cuda_backend._forward_cache, cuda_backend._backward_cache, varlen_cuda._forward_cache,
+                      varlen_cuda._backward_cache, kvcache._prepared, build._args_launches,
+                      getattr(linear, "_plain_forwards", {})):  # fmt: skip
+            cache.clear()
 
     def __enter__(self) -> "FakeDevice":
         return self.install()
@@ -154,38 +164,64 @@ def rows(dev: FakeDevice, calls: int, rounds: int) -> dict[str, tuple[float, flo
     cupyflash.linear_attention_forward(q, k, v, causal=True)
     fprep = next(iter(cb._forward_cache.values()))
     bprep = next(iter(cb._backward_cache.values()))
+    short = hasattr(cb, "plain_forward")  # the plain calls' short paths (issue 12, branch host17)
+    dev_id = cupy.cuda.runtime.getDevice
 
     timed["api forward"] = lambda: cupyflash.attention_forward(q, k, v)
-    timed["  cuda_backend.forward"] = lambda: cb.forward(q, k, v, False, None, "auto")
-    timed["  forward key"] = lambda: (
-        "auto", cb._key_of(False), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), cb._key_of(None),
-        cb._key_of(None), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), cupy.cuda.runtime.getDevice(),
-        cb._array_key(q), cb._array_key(k), cb._array_key(v), *cb._flex_key(None, None, None, None, None))
+    if short:
+        timed["  plain_forward"] = lambda: cb.plain_forward(q, k, v, False, None)
+    timed["  cuda_backend.forward (full)"] = lambda: cb.forward(q, k, v, False, None, "auto")
+    if short:
+        timed["  forward signature"] = lambda: cb._forward_signature(q, k, v, q.data.ptr, k.data.ptr, v.data.ptr,
+                                                                     False, None, dev_id())  # fmt: skip
+        timed["  forward rest of the key (full)"] = lambda: cb._forward_rest(
+            "auto", None, 0.0, None, None, None, None, 0.0, None, None, None, None, None)
+    else:
+        timed["  forward key"] = lambda: (
+            "auto", cb._key_of(False), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), cb._key_of(None),
+            cb._key_of(None), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), dev_id(),
+            cb._array_key(q), cb._array_key(k), cb._array_key(v), *cb._flex_key(None, None, None, None, None))
     timed["  forward _empty_outputs"] = lambda: cb._empty_outputs(fprep.outputs)
     fptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr, "lse": lse.data.ptr}
     timed["  forward family.run"] = lambda: family.run(fprep.plan, fprep.geometry, fptrs)
+    if short:
+        fvalues = tuple(fptrs.values())
+        timed["  forward prepared runner"] = lambda: fprep.run(fvalues)
 
     timed["api backward"] = lambda: cupyflash.attention_backward(do, q, k, v, o, lse)
-    timed["  cuda_backend.backward"] = lambda: cb.backward(do, q, k, v, o, lse, False, None, "auto")
-    timed["  backward key"] = lambda: (
-        "auto", cb._key_of(False), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), cb._key_of(None),
-        cb._key_of(None), cb._key_of(None), cb._key_of(None), cb._key_of(False), cb._key_of(0.0),
-        cupy.cuda.runtime.getDevice(), *(cb._array_key(x) for x in (do, q, k, v, o, lse)), False,
-        *cb._flex_key(None, None, None, None, None))
+    if short:
+        timed["  plain_backward"] = lambda: cb.plain_backward(do, q, k, v, o, lse, False, None)
+    timed["  cuda_backend.backward (full)"] = lambda: cb.backward(do, q, k, v, o, lse, False, None, "auto")
+    if short:
+        timed["  backward signature"] = lambda: cb._backward_signature(
+            q, k, v, o, lse, do, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr), False,
+            None, dev_id())  # fmt: skip
+    else:
+        timed["  backward key"] = lambda: (
+            "auto", cb._key_of(False), cb._key_of(None), cb._key_of(None), cb._key_of(0.0), cb._key_of(None),
+            cb._key_of(None), cb._key_of(None), cb._key_of(None), cb._key_of(False), cb._key_of(0.0),
+            dev_id(), *(cb._array_key(x) for x in (do, q, k, v, o, lse)), False,
+            *cb._flex_key(None, None, None, None, None))
     timed["  backward _empty_outputs"] = lambda: cb._empty_outputs(bprep.outputs)
     bptrs = {"dout": do.data.ptr, "q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr,
              "lse": lse.data.ptr, "dq": q.data.ptr, "dk": k.data.ptr, "dv": v.data.ptr}  # fmt: skip
     timed["  backward family.run"] = lambda: family.run(bprep.plan, bprep.geometry, bptrs)
+    if short:
+        bvalues = tuple(bptrs[n] for n in bprep.run.names)
+        timed["  backward prepared runner"] = lambda: bprep.run(bvalues)
 
     timed["linear forward (causal)"] = lambda: cupyflash.linear_attention_forward(q, k, v, causal=True)
+    if hasattr(lin, "plain_forward"):
+        timed["  linear plain_forward"] = lambda: lin.plain_forward(q, k, v, True, 1.0)
     timed["  check_linear"] = lambda: check_linear(q, k, v, causal=True, mask=None, decay=None, scale=1.0)
     lp = check_linear(q, k, v, causal=True, mask=None, decay=None, scale=1.0)
-    timed["  kernels.linear.forward"] = lambda: lin.forward(q, k, v, None, None, lp)
+    timed["  kernels.linear.forward (full)"] = lambda: lin.forward(q, k, v, None, None, lp)
 
     timed["fake alloc"] = lambda: cupy.cuda.alloc(1024)
     timed["fake launchKernel"] = lambda: cupy.cuda.driver.launchKernel(1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)
     timed["fake get_current_stream().ptr"] = lambda: cupy.cuda.get_current_stream().ptr
     timed["cupy.ndarray(memptr=...)"] = lambda: cupy.ndarray(shape, bf16, memptr=dev.alloc(1))
+    timed["cupy.ndarray(shape, dtype, memptr)"] = lambda: cupy.ndarray(shape, bf16, dev.alloc(1))
     timed["x.data.ptr"] = lambda: q.data.ptr
 
     out = {}
@@ -194,7 +230,7 @@ def rows(dev: FakeDevice, calls: int, rounds: int) -> dict[str, tuple[float, flo
         f()
         launches = dev.launches
         out[name] = med, least = per_call_us(f, calls, rounds)
-        print(f"{name:34s} {med:7.2f} {least:7.2f}" + (f"   ({launches} launch{'es' * (launches != 1)})"
+        print(f"{name:36s} {med:7.2f} {least:7.2f}" + (f"   ({launches} launch{'es' * (launches != 1)})"
                                                        if launches else ""), flush=True)  # fmt: skip
     return out
 
@@ -206,7 +242,7 @@ def main() -> None:
     a = ap.parse_args()
     print(f"us per call, median and least of {a.rounds} rounds of {a.calls} calls; bf16 B=1 H=8 N=128 D=64; Python "
           f"{sys.version.split()[0]}")
-    print(f"{'':34s} {'median':>7s} {'least':>7s}")
+    print(f"{'':36s} {'median':>7s} {'least':>7s}")
     with FakeDevice() as dev:
         rows(dev, a.calls, a.rounds)
 
