@@ -361,6 +361,18 @@ def test_linear_misses_and_checks(dev, spy):
     assert spy["check_linear"] == 1 + 6 + 1 + 2 + 1
 
 
+def test_a_hooked_linear_launch_sees_every_call(dev, monkeypatch):
+    """Tests and dev scripts that replace kernels.linear._launch see every launch: no short path then."""
+    q, k, v = arrays(dev, 3)
+    cupyflash.linear_attention_forward(q, k, v, causal=True)  # a plain entry, stored
+    seen = []
+    real = linear._launch
+    monkeypatch.setattr(linear, "_launch", lambda plan, args: (seen.append(plan.name), real(plan, args)))
+    cupyflash.linear_attention_forward(q, k, v, causal=True)
+    cupyflash.linear_attention_forward(q, k, v, causal=True)
+    assert len(seen) == 2
+
+
 # ---------------------------------------------------------------------------- the pointer writers
 
 
