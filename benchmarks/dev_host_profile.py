@@ -47,7 +47,8 @@ rows['cupy.empty x3'] = per_call(lambda: (cupy.empty(q.shape, bf16), cupy.empty(
 rows['cupy.cuda.alloc'] = per_call(lambda: cupy.cuda.alloc(1 << 16))
 rows['memsetAsync'] = per_call(lambda: cupy.cuda.runtime.memsetAsync(dq.data.ptr, 0, 1 << 16, st))
 bptrs = lambda: (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr)
-rows['backward signature'] = per_call(lambda: cb._backward_signature(q, k, v, o, lse, do, bptrs(), False, None, cb._device()))
+rows['backward signature'] = per_call(lambda: cb._backward_signature(q, k, v, o, lse, do, bptrs(), False, None,
+                                                                     cb._device()))
 print('backward launches:', [l.name if hasattr(l, 'name') else type(l).__name__ for l in launches], 'scratch', prep.plan.scratch)
 for k_, v_ in rows.items(): print(f"{k_:28s} {v_:8.2f} us")
 from cupyflash import linear_attention_forward
