@@ -98,6 +98,15 @@ def attention_forward(
 
     Raises ``TypeError`` / ``ValueError`` naming the argument before anything is launched.
     """
+    if (window_size is None and alibi_slopes is None and sinks is None and mask is None and bias is None
+            and dropout_seed is None and mask_mod is None and score_mod is None and score_mod_grad is None
+            and aux is None and block_mask is None and type(softcap) is float and not softcap
+            and type(dropout_p) is float and not dropout_p and type(kernel) is str and kernel == "auto"):  # fmt: skip
+        # A plain call (every variant keyword at its default) of a cached signature: the keyword checks passed when
+        # the signature was cached, and plain_forward says why that is the full path's answer (issue 12).
+        out = cuda_backend.plain_forward(q, k, v, causal, scale)
+        if out is not None:
+            return out
     _check_kernel(kernel)
     _, seed = check_dropout(dropout_p, dropout_seed)
     variant = {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks,
@@ -182,6 +191,14 @@ def attention_backward(
     causal included): every family adds each key tile's dQ share in key-tile order (ordered turns), and
     dsinks is summed without atomics. The NumPy backend is always deterministic.
     """
+    if (window_size is None and alibi_slopes is None and sinks is None and mask is None and bias is None
+            and bias_grad is False and dropout_seed is None and mask_mod is None and score_mod is None
+            and score_mod_grad is None and aux is None and block_mask is None and type(softcap) is float
+            and not softcap and type(dropout_p) is float and not dropout_p and type(kernel) is str
+            and kernel == "auto" and deterministic is False):  # fmt: skip
+        out = cuda_backend.plain_backward(do, q, k, v, o, lse, causal, scale)  # as in attention_forward
+        if out is not None:
+            return out
     _check_kernel(kernel)
     check_flag("deterministic", deterministic)
     _, seed = check_dropout(dropout_p, dropout_seed)

@@ -6,6 +6,11 @@ choice, the (B, H, N, D) views, the launch plans and the parameter bytes. A repe
 dictionary lookup, its output allocations and one driver call per launch. The checks are functions of
 the signature alone, so a cached signature has passed them; a new one runs them before anything is
 allocated or launched.
+
+Plain calls (every variant keyword at its default, kernel "auto": the common small call of issue 12) have a
+shorter way in: ``api`` asks ``plain_forward`` / ``plain_backward`` first, which look the cached entry up by the
+arrays' and causal/scale's part of the key alone and go straight to the outputs and the launch; a miss returns
+None and the call takes the full path, which stores such entries (see ``_forward_cache``).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import numpy as np
 
 from ._layout import views_of
 from .kernels import dispatch
-from .kernels.family import SCORE_ARRAYS, CallPlan, Geometry, run
+from .kernels.build import cupy_module
+from .kernels.family import SCORE_ARRAYS, CallPlan, Geometry, Runner, run
 from .plans import DeviceLimits
 from .validation import AttentionProblem, check_attention, check_backward, score_shape
 
@@ -71,14 +77,22 @@ def _aligned(arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]
 
 
 class _Prepared:
-    """A checked signature: the problem, its family, its views, its launch plan and its outputs' layout."""
+    """A checked signature: the problem, its family, its views, its launch plan, its outputs' layout and the plan's
+    ``Runner`` for the call's pointer names. ``scratch_at``: where the plan's scratch sits in the outputs' one
+    allocation (None: the runner takes it from the pool)."""
 
-    __slots__ = ("p", "family", "geometry", "plan", "copy", "outputs")
+    __slots__ = ("p", "family", "geometry", "plan", "copy", "outputs", "run", "scratch_at")
 
     def __init__(self, p: AttentionProblem, family: Any, geometry: Geometry, plan: CallPlan | None,
-                 copy: tuple[str, ...], outputs: tuple):  # fmt: skip
+                 copy: tuple[str, ...], outputs: tuple, run: Runner | None = None,
+                 scratch_at: int | None = None):  # fmt: skip
         self.p, self.family, self.geometry, self.plan, self.copy = p, family, geometry, plan, copy
-        self.outputs = outputs
+        self.outputs, self.run, self.scratch_at = outputs, run, scratch_at
+
+    @property
+    def plain(self) -> bool:
+        """Can the plain calls' short path run it (``plain_forward``): a launch, and no input to copy first."""
+        return self.plan is not None and not self.copy
 
 
 #: A call whose outputs total at most this many bytes takes them from one pool allocation, viewed as arrays
@@ -96,18 +110,85 @@ def _output_layout(specs: list[tuple[tuple[int, ...], np.dtype]]) -> tuple:
     return (at, tuple(parts)) if at <= SHARED_OUTPUT_BYTES else (None, tuple(specs))
 
 
-def _empty_outputs(layout: tuple) -> list[Any]:
-    import cupy
+def _with_scratch(layout: tuple, plan: CallPlan | None) -> tuple[tuple, int | None]:
+    """The outputs' layout grown by the plan's scratch when both still fit one allocation, and the scratch's offset
+    in it (one pool allocation a call instead of two; the scratch then lives as long as the outputs, which at this
+    size costs nothing); else ``(layout, None)``."""
+    total, parts = layout
+    need = 0 if plan is None else plan.scratch_layout[0]
+    if total is None or not need or total + need > SHARED_OUTPUT_BYTES:
+        return layout, None
+    return (total + need, parts), total  # total is a multiple of 256: the scratch's parts stay 256-byte aligned
 
+
+def _empty_outputs(layout: tuple) -> list[Any]:
+    """The outputs of a layout (``_output_layout``): views of one pool allocation (the first at its start), or each
+    its own ``cupy.empty``."""
+    cupy = cupy_module()
     total, parts = layout
     if total is None:
         return [cupy.empty(shape, dtype=dt) for shape, dt in parts]
     memory = cupy.cuda.alloc(max(total, 1))
-    return [cupy.ndarray(shape, dt, memptr=memory + at) for shape, dt, at in parts]
+    ndarray = cupy.ndarray  # memptr passed by position: CuPy's keyword path costs ~0.5 us more an array
+    return [ndarray(shape, dt, memory + at if at else memory) for shape, dt, at in parts]
 
 
+#: Prepared signatures. A key is ``(signature, rest)`` (``_forward_signature``, ``_forward_rest``); a plain call's
+#: entry (every variant keyword at its default, kernel "auto": ``rest == _PLAIN_FORWARD``) is also stored under
+#: its signature alone, which ``plain_forward`` looks up. Only a call that passed the checks is ever stored, and
+#: clearing a cache clears both kinds of entry. Likewise the backward's.
 _forward_cache: dict[tuple, _Prepared] = {}
 _backward_cache: dict[tuple, _Prepared] = {}
+
+
+def _device() -> int:
+    return cupy_module().cuda.runtime.getDevice()
+
+
+def _forward_signature(q: Any, k: Any, v: Any, qp: int, kp: int, vp: int, causal: Any, scale: Any,
+                       device: int) -> tuple:  # fmt: skip
+    """What the checks and plans read of the arguments every forward has, as one flat tuple: causal's and
+    scale's types and values (True == 1 == 1.0 must not share a cache entry: the checks tell them apart), the
+    device, and per array (base pointers qp, kp, vp) what ``_array_key`` takes."""
+    return (type(causal), causal, type(scale), scale, device,
+            type(q), q.dtype, q.shape, q.strides, qp % 16 == 0,
+            type(k), k.dtype, k.shape, k.strides, kp % 16 == 0,
+            type(v), v.dtype, v.shape, v.strides, vp % 16 == 0)  # fmt: skip
+
+
+def _forward_rest(kernel: Any, window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any, bias: Any,
+                  dropout_p: Any, mask_mod: Any, score_mod: Any, score_mod_grad: Any, aux: Any,
+                  block_mask: Any) -> tuple:  # fmt: skip
+    """The rest of a forward's signature: the kernel and the variant keywords (the dropout seed is not in it: it is
+    checked per call and written into the params per call)."""
+    return (kernel, _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes), _key_of(sinks), _key_of(mask),
+            _key_of(bias), _key_of(dropout_p), *_flex_key(mask_mod, score_mod, score_mod_grad, aux, block_mask))
+
+
+def _backward_signature(q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, ptrs: tuple[int, ...], causal: Any,
+                        scale: Any, device: int) -> tuple:  # fmt: skip
+    """``_forward_signature`` of the backward's six arrays (``ptrs``: their base pointers, in this order: that of
+    their pointer fields, ``_BACKWARD_INPUTS``)."""
+    qp, kp, vp, op, lp, dop = ptrs
+    return (type(causal), causal, type(scale), scale, device,
+            type(q), q.dtype, q.shape, q.strides, qp % 16 == 0,
+            type(k), k.dtype, k.shape, k.strides, kp % 16 == 0,
+            type(v), v.dtype, v.shape, v.strides, vp % 16 == 0,
+            type(o), o.dtype, o.shape, o.strides, op % 16 == 0,
+            type(lse), lse.dtype, lse.shape, lse.strides, lp % 16 == 0,
+            type(do), do.dtype, do.shape, do.strides, dop % 16 == 0)  # fmt: skip
+
+
+#: The backward's input arrays by pointer field, in struct order (the order of its runner's first pointers).
+_BACKWARD_INPUTS = ("q", "k", "v", "o", "lse", "dout")
+
+
+def _backward_rest(kernel: Any, window_size: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any, bias: Any,
+                   bias_grad: Any, dropout_p: Any, deterministic: Any, mask_mod: Any, score_mod: Any,
+                   score_mod_grad: Any, aux: Any, block_mask: Any) -> tuple:  # fmt: skip
+    return (kernel, _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes), _key_of(sinks), _key_of(mask),
+            _key_of(bias), _key_of(bias_grad), _key_of(dropout_p), bool(deterministic),
+            *_flex_key(mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
 
 
 def _needs_copy(x: Any) -> bool:
@@ -124,7 +205,9 @@ def _layout_entry(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: in
 def _prepare(
     p: AttentionProblem, kernel: str, inputs: dict[str, Any], outputs: dict[str, tuple[tuple[int, ...], np.dtype]],
     make_plan: Callable[[Any, AttentionProblem, Geometry, DeviceLimits], CallPlan], extra: dict[str, Any],
+    names: tuple[str, ...],
 ) -> _Prepared:
+    """``names``: the pointer fields a call of this signature passes its runner, in its order."""
     limits = DeviceLimits.current()
     copy = tuple(n for n, x in inputs.items() if n != "lse" and _needs_copy(x))  # lse is read through its strides
     layout = {
@@ -138,7 +221,8 @@ def _prepare(
     empty = p.nq == 0 or p.nk == 0 or p.batch_size == 0 or p.hq == 0  # answered without a launch
     plan = None if empty else _flex_plan(p, make_plan(family, p, g, limits))
     layout = _output_layout([spec for n, spec in outputs.items() if n != "dbias"])  # dbias: zeroed, apart
-    return _Prepared(p, family, g, plan, copy, layout)
+    layout, scratch_at = _with_scratch(layout, plan)
+    return _Prepared(p, family, g, plan, copy, layout, None if plan is None else plan.runner(g, names), scratch_at)
 
 
 def _flex_check(p: AttentionProblem) -> None:
@@ -249,20 +333,48 @@ def _head_layout(x: Any, nbatch: int) -> tuple:
     return (x.shape + (1,), x.strides + (x.itemsize,), x.itemsize, x.data.ptr % 16)
 
 
+#: The rest of a plain call's signature: ``api.attention_forward``'s / ``attention_backward``'s defaults.
+_PLAIN_FORWARD = _forward_rest("auto", None, 0.0, None, None, None, None, 0.0, None, None, None, None, None)
+_PLAIN_BACKWARD = _backward_rest("auto", None, 0.0, None, None, None, None, False, 0.0, False, None, None, None, None,
+                                 None)  # fmt: skip
+
+
+def plain_forward(q: Any, k: Any, v: Any, causal: Any, scale: Any) -> tuple[Any, Any] | None:
+    """The forward of a plain call (``api.attention_forward`` with every variant keyword at its default and
+    kernel "auto") whose signature is cached: (o, lse); None when it is not (or q, k, v are not arrays with
+    device pointers), and the caller then takes the full path, ``forward``.
+
+    Why it is the full path's answer: an entry is stored under the signature alone only by ``forward``, after
+    the call passed its checks, for ``rest == _PLAIN_FORWARD`` (the keywords' defaults), so the key this looks up
+    is the full path's key minus the part that the caller's test of the defaults fixes. Nothing a plain call
+    checks depends on values outside the signature: the dropout seed is None (no dropout)."""
+    try:
+        qp, kp, vp = q.data.ptr, k.data.ptr, v.data.ptr
+        prep = _forward_cache.get(_forward_signature(q, k, v, qp, kp, vp, causal, scale, _device()))
+    except Exception:  # not CuPy arrays (NumPy's .data may raise), an unhashable causal or scale: the full path tells
+        return None
+    if prep is None:
+        return None
+    o, lse = _empty_outputs(prep.outputs)
+    prep.run((qp, kp, vp, o.data.ptr, lse.data.ptr))
+    return o, lse
+
+
 def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window_size: Any = None,
             softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None, mask: Any = None,
             bias: Any = None, dropout_p: Any = 0.0, dropout_seed: int | None = None, mask_mod: Any = None,
             score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None,
             block_mask: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """``dropout_seed`` is checked by the caller and not part of the signature: it is written per call."""
-    import cupy
-
-    key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(dropout_p), cupy.cuda.runtime.getDevice(),
-           _array_key(q), _array_key(k), _array_key(v), *_flex_key(mask_mod, score_mod, score_mod_grad, aux,
-                                                                    block_mask))  # fmt: skip
+    rest = _forward_rest(kernel, window_size, softcap, alibi_slopes, sinks, mask, bias, dropout_p, mask_mod,
+                         score_mod, score_mod_grad, aux, block_mask)  # fmt: skip
+    try:
+        signature = _forward_signature(q, k, v, q.data.ptr, k.data.ptr, v.data.ptr, causal, scale, _device())
+        key: tuple | None = (signature, rest)
+        prep = _forward_cache.get(key)
+    except Exception:  # not CuPy arrays (NumPy's .data may raise), an unhashable keyword...: the checks say why
+        key = prep = None
     extra = _variant_arrays(alibi_slopes, sinks, mask, bias, aux, block_mask)
-    prep = _forward_cache.get(key)
     if prep is None:
         p = check_attention(q, k, v, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
@@ -271,8 +383,11 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
         _flex_check(p)
         outputs = {"o": (q.shape, p.dtype), "lse": (q.shape[:-1], _FLOAT32)}
         prep = _prepare(p, kernel, {"q": q, "k": k, "v": v}, outputs, lambda f, p, g, lim: f.forward_plan(p, g, lim),
-                        extra)  # fmt: skip
-        _forward_cache[key] = prep
+                        extra, ("q", "k", "v", "o", "lse", *extra))  # fmt: skip
+        if key is not None:
+            _forward_cache[key] = prep
+            if rest == _PLAIN_FORWARD and prep.plain:
+                _forward_cache[key[0]] = prep
     p = prep.p
     o, lse = _empty_outputs(prep.outputs)
     if prep.plan is None and o.size == 0:
@@ -286,10 +401,8 @@ def forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, kernel: str, window
         return o, lse
     if prep.copy:
         q, k, v = _inputs(prep, {"q": q, "k": k, "v": v}).values()
-    ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": o.data.ptr, "lse": lse.data.ptr}
-    for n, a in extra.items():
-        ptrs[n] = a.data.ptr
-    run(prep.plan, prep.geometry, ptrs, _seed_of(p, dropout_seed))
+    prep.run((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, *[a.data.ptr for a in extra.values()]),
+             _seed_of(p, dropout_seed))
     return o, lse
 
 
@@ -302,11 +415,28 @@ def _seed_of(p: AttentionProblem, seed: int | None) -> int | None:
     return seed
 
 
+def plain_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any) -> tuple | None:
+    """``plain_forward``'s twin for ``api.attention_backward`` (also ``bias_grad=False``, ``deterministic=False``):
+    (dq, dk, dv) of a cached plain signature, else None."""
+    try:
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr)  # _BACKWARD_INPUTS
+        prep = _backward_cache.get(_backward_signature(q, k, v, o, lse, do, ptrs, causal, scale, _device()))
+    except Exception:  # as in plain_forward
+        return None
+    if prep is None:
+        return None
+    dq, dk, dv = grads = _empty_outputs(prep.outputs)
+    dqp = dq.data.ptr
+    prep.run((*ptrs, dqp, dk.data.ptr, dv.data.ptr), None, None if prep.scratch_at is None else dqp + prep.scratch_at)
+    return tuple(grads)
+
+
 def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, scale: Any, kernel: str,
              window_size: Any = None, softcap: Any = 0.0, alibi_slopes: Any = None, sinks: Any = None,
              mask: Any = None, bias: Any = None, bias_grad: Any = False, dropout_p: Any = 0.0,
              dropout_seed: int | None = None, deterministic: bool = False, mask_mod: Any = None,
              score_mod: Any = None, score_mod_grad: Any = None, aux: Any = None, block_mask: Any = None):  # fmt: skip
+    """``dropout_seed`` and ``deterministic`` are checked by the caller."""
     import cupy
 
     if deterministic and block_mask is not None:  # ordered dQ turns assume every mask's key tiles form one run
@@ -317,12 +447,17 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
                                   "its dbias is accumulated with float atomics, whose order varies from run to run "
                                   "(a bias of the full (*batch, Hq, Nq, Nk) shape is stored, and reproducible)")  # fmt: skip
 
-    key = (kernel, _key_of(causal), _key_of(scale), _key_of(window_size), _key_of(softcap), _key_of(alibi_slopes),
-           _key_of(sinks), _key_of(mask), _key_of(bias), _key_of(bias_grad), _key_of(dropout_p),
-           cupy.cuda.runtime.getDevice(), *(_array_key(x) for x in (do, q, k, v, o, lse)),
-           bool(deterministic), *_flex_key(mask_mod, score_mod, score_mod_grad, aux, block_mask))  # fmt: skip
+    rest = _backward_rest(kernel, window_size, softcap, alibi_slopes, sinks, mask, bias, bias_grad, dropout_p,
+                          deterministic, mask_mod, score_mod, score_mod_grad, aux, block_mask)  # fmt: skip
+    try:
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr)  # _BACKWARD_INPUTS
+        signature = _backward_signature(q, k, v, o, lse, do, ptrs, causal, scale, _device())
+        key: tuple | None = (signature, rest)
+        prep = _backward_cache.get(key)
+    except Exception:  # not CuPy arrays (NumPy's .data may raise), an unhashable keyword...: the checks say why
+        key = prep = None
     extra = _variant_arrays(alibi_slopes, sinks, mask, bias, aux, block_mask)
-    prep = _backward_cache.get(key)
+    kernel_dsinks = sinks is not None and not deterministic  # the kernels' per-row atomics would add in any order
     if prep is None:
         p = check_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, bias=bias,
@@ -334,9 +469,16 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
             direct = dbias_direct(bias.shape, score_shape(p))
             outputs["dbias"] = (bias.shape, np.dtype(bias.dtype) if direct else _FLOAT32)
         inputs = {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}
+        # Pointer names in struct order as far as a plain call has them (the runner then packs them as given).
+        names = (*_BACKWARD_INPUTS, "dq", "dk", "dv", *extra, *(("dsinks",) if kernel_dsinks else ()),
+                 *(("dbias",) if bias_grad else ()))  # fmt: skip
         prep = _prepare(p, kernel, inputs, outputs,
-                        lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra)
-        _backward_cache[key] = prep
+                        lambda f, p, g, lim: f.backward_plan(p, g, lim, deterministic=bool(deterministic)), extra,
+                        names)  # fmt: skip
+        if key is not None:
+            _backward_cache[key] = prep
+            if rest == _PLAIN_BACKWARD and prep.plain:
+                _backward_cache[key[0]] = prep
     p = prep.p
     dq, dk, dv = _empty_outputs(prep.outputs)
     dsinks = None if sinks is None else cupy.zeros((p.hq,), dtype=_FLOAT32)
@@ -349,15 +491,12 @@ def backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, causal: Any, sca
             delta = (do.astype(np.float32) * o.astype(np.float32)).sum(axis=-1)
             dsinks[...] = -delta.reshape(-1, p.hq, p.nq).sum(axis=(0, 2))
         return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))
-    x = _inputs(prep, {"dout": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
-    ptrs = {n: a.data.ptr for n, a in x.items()}
-    ptrs.update({n: a.data.ptr for n, a in extra.items()})
-    if dsinks is not None and not deterministic:
-        ptrs["dsinks"] = dsinks.data.ptr
-    if dbias is not None:
-        ptrs["dbias"] = dbias.data.ptr
-    run(prep.plan, prep.geometry, {**ptrs, "dq": dq.data.ptr, "dk": dk.data.ptr, "dv": dv.data.ptr},
-        _seed_of(p, dropout_seed))
+    x = _inputs(prep, dict(zip(_BACKWARD_INPUTS, (q, k, v, o, lse, do))))
+    dqp = dq.data.ptr
+    values = (*[a.data.ptr for a in x.values()], dqp, dk.data.ptr, dv.data.ptr,
+              *[a.data.ptr for a in extra.values()], *((dsinks.data.ptr,) if kernel_dsinks else ()),
+              *((dbias.data.ptr,) if dbias is not None else ()))  # fmt: skip
+    prep.run(values, _seed_of(p, dropout_seed), None if prep.scratch_at is None else dqp + prep.scratch_at)
     if dsinks is not None and deterministic:  # the kernels' per-row atomics would add in any order
         dsinks[...] = _dsinks(do, o, lse, sinks, p.hq)
     return grads if dbias is None else (*grads, dbias.astype(bias.dtype, copy=False))

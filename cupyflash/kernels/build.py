@@ -14,8 +14,22 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 STD = "-std=c++17"
+
+_cupy: Any = None
+
+
+def cupy_module() -> Any:
+    """The ``cupy`` module, imported on first use (cupyflash imports CuPy only when a call needs it): the host path
+    of a small call asks for it several times, and a function-level ``import`` costs more than this lookup."""
+    global _cupy
+    if _cupy is None:
+        import cupy
+
+        _cupy = cupy
+    return _cupy
 
 
 @functools.cache
@@ -153,18 +167,21 @@ def launch_plan(plan, args: tuple) -> None:
     A plan's argument kinds are those of its first launch (one call site per plan; reading them per call cost
     ~4 µs of the linear forward's host path at 36 arguments): a later array where a scalar was, or a scalar
     where an array was, raises in ``ArgsLaunch.pack``, never launches."""
-    import cupy
-
     with _packing:
         fast = _args_launches.get(id(plan))
         if fast is None or fast.plan is not plan:  # plans are cached objects; the identity check guards id reuse
-            codes = "".join([_ARG_CODES.get(type(a), "P") for a in args])
-            bad = [type(a).__name__ for a, c in zip(args, codes) if c == "P" and not hasattr(a, "data")]
-            if bad:
-                raise TypeError(f"{plan.name}: arguments must be CuPy arrays or NumPy int32/int64/float32 "
-                                f"scalars; got {bad}")  # fmt: skip
-            fast = _args_launches[id(plan)] = ArgsLaunch(plan, codes)
-        fast.fire(cupy.cuda.get_current_stream().ptr, args)
+            fast = _args_launches[id(plan)] = ArgsLaunch(plan, arg_codes(plan, args))
+        fast.fire(cupy_module().cuda.get_current_stream().ptr, args)
+
+
+def arg_codes(plan, args: tuple) -> str:
+    """The ``ArgsLaunch`` codes of positional arguments: a NumPy scalar's, or "P" for an array (anything with
+    ``data``; TypeError for anything else)."""
+    codes = "".join([_ARG_CODES.get(type(a), "P") for a in args])
+    bad = [type(a).__name__ for a, c in zip(args, codes) if c == "P" and not hasattr(a, "data")]
+    if bad:
+        raise TypeError(f"{plan.name}: arguments must be CuPy arrays or NumPy int32/int64/float32 scalars; got {bad}")
+    return codes
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,11 +229,9 @@ class _Ready:
         self._dims = (*plan.grid, *plan.block, plan.shared_bytes)
 
     def _queue(self, stream: int) -> None:
-        import cupy
-
         if not self._fn:
             self._fn = _function_ptr(self.plan)
-        cupy.cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
+        cupy_module().cuda.driver.launchKernel(self._fn, *self._dims, stream, self._argv_ptr, 0)
 
 
 class Launch(_Ready):
@@ -240,7 +255,7 @@ class ArgsLaunch(_Ready):
     """A launch with positional arguments (``struct`` codes: "P" a CuPy array's pointer, "i", "q", "f", "I", "Q"
     scalars) packed into one buffer laid out as the C ABI lays out the kernel's parameters (native alignment)."""
 
-    __slots__ = ("_struct", "_arrays")
+    __slots__ = ("_struct", "_arrays", "offsets")
 
     def __init__(self, plan, codes: str) -> None:
         import ctypes
@@ -251,6 +266,7 @@ class ArgsLaunch(_Ready):
         offsets = [struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + c) for i, c in enumerate(codes)]
         super().__init__(plan, ctypes.create_string_buffer(max(1, self._struct.size)), offsets)
         self._arrays = tuple(i for i, c in enumerate(codes) if c == "P")
+        self.offsets = tuple(offsets)  # of each parameter in the buffer
 
     def pack(self, args: tuple) -> None:
         values = list(args)
@@ -261,6 +277,10 @@ class ArgsLaunch(_Ready):
     def fire(self, stream: int, args: tuple) -> None:
         """Pack ``args`` and queue the kernel."""
         self.pack(args)
+        self._queue(stream)
+
+    def queue(self, stream: int) -> None:
+        """Queue the kernel with the buffer as it is now (its owner rewrites what changes: ``linear._PlainForward``)."""
         self._queue(stream)
 
 

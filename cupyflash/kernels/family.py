@@ -25,7 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
 from . import build
-from .params import Params, write_batch0, write_dropout
+from .build import cupy_module
+from .params import POINTERS, Params, PointerPacker, write_batch0, write_dropout
 
 LOG2E = 1.4426950408889634
 
@@ -78,6 +79,18 @@ class CallPlan:
             made = tuple(build.Launch(lp, base) for lp, base in self.launches)
             object.__setattr__(self, "_ready", made)
         return made
+
+    def runner(self, g: Geometry, names: tuple[str, ...]) -> "Runner":
+        """The plan's ``Runner`` for the geometry ``g`` and these pointer names, made once per set of names (and
+        remade if another geometry's sub-batches come with them)."""
+        made = self.__dict__.get("_runners")
+        if made is None:
+            made = {}
+            object.__setattr__(self, "_runners", made)
+        r = made.get(names)
+        if r is None or r.batch != g.batch or (r.offsets is not g.offsets and r.offsets != g.offsets):
+            r = made[names] = Runner(self, g, names)
+        return r
 
     @property
     def scratch_layout(self) -> tuple[int, tuple[tuple[str, int, int, bool], ...]]:
@@ -161,41 +174,77 @@ _launching = threading.Lock()
 
 def allocate(nbytes: int) -> Any:
     """Device memory for a call's scratch (a CuPy ``MemoryPointer``: from the pool, no array object)."""
-    import cupy
+    return cupy_module().cuda.alloc(nbytes)
 
-    return cupy.cuda.alloc(nbytes)
+
+class Runner:
+    """``run`` for one plan, one geometry's sub-batch offsets and one fixed set of pointer names, made once: per
+    call it takes the pointers as a tuple in ``names``' order, and each launch's pointer block is one
+    ``PointerPacker.pack_into`` (the scratch fields' pointers are the runner's to fill in). ``CallPlan.runner``
+    makes them; cached signatures keep theirs (``cuda_backend._Prepared.run``)."""
+
+    __slots__ = ("names", "launches", "offsets", "batch", "_pack", "_take", "_shifts", "_scratch_total",
+                 "_scratch_at", "_zeroed")  # fmt: skip
+
+    def __init__(self, plan: CallPlan, g: Geometry, names: tuple[str, ...]) -> None:
+        total, parts = plan.scratch_layout
+        parts = tuple(sorted(parts, key=lambda part: POINTERS.index(part[0])))  # in struct order: often no reordering
+        given = (*names, *(f for f, _, _, _ in parts))
+        if len(set(given)) != len(given):
+            raise ValueError(f"pointer names given twice (or a scratch field's name): {given}")
+        packer = PointerPacker(given)
+        self.names, self.launches, self.offsets, self.batch = names, plan.ready(), g.offsets, g.batch
+        self._pack = packer.pack_into
+        where = {n: i for i, n in enumerate(given)}
+        self._take = tuple(where[n] for n in packer.names)  # struct order from the given order
+        if self._take == tuple(range(len(given))):
+            self._take = None  # given in struct order already
+        self._scratch_total = total if parts else 0
+        self._scratch_at = tuple(at for _, at, _, _ in parts)
+        self._zeroed = tuple((at, nbytes) for _, at, nbytes, zeroed in parts if zeroed)
+        # Byte offsets of each sub-batch, per packed value (None: one sub-batch at offset 0, the common case).
+        offsets = g.offsets
+        single = len(offsets) == 1 and not any(offsets[0].values())
+        self._shifts = None if single else tuple(tuple(off.get(n, 0) for n in packer.names) for off in offsets)
+
+    def __call__(self, pointers: tuple[int, ...], dropout_seed: int | None = None, scratch: int | None = None) -> None:
+        """Launch the plan with these pointers (``names``' order): with dropout, the seed and each sub-batch's first
+        batch index (the mask is keyed by the global batch index). ``scratch``: the address of the plan's
+        ``scratch_layout`` bytes of device memory, allocated until the launches are queued at least, or None to take
+        them from the pool here."""
+        memory = None
+        if self._scratch_at:
+            if scratch is None:
+                memory = allocate(self._scratch_total)  # alive until every launch is queued (the pool orders reuse)
+                scratch = memory.ptr
+            pointers = (*pointers, *[scratch + at for at in self._scratch_at])
+        values = pointers if self._take is None else tuple([pointers[i] for i in self._take])
+        stream = cupy_module().cuda.get_current_stream().ptr
+        pack, launches = self._pack, self.launches
+        with _launching:
+            if self._shifts is None and not self._zeroed and dropout_seed is None:  # the common call
+                for launch in launches:
+                    pack(launch.buffer, 0, *values)
+                    launch.fire(stream)
+                return
+            for i, shifts in enumerate(self._shifts or ((0,) * len(values),)):
+                for at, nbytes in self._zeroed:  # every sub-batch accumulates from zero
+                    cupy_module().cuda.runtime.memsetAsync(scratch + at, 0, nbytes, stream)
+                shifted = values if self._shifts is None else [v + d for v, d in zip(values, shifts)]
+                for launch in launches:
+                    pack(launch.buffer, 0, *shifted)
+                    if dropout_seed is not None:
+                        write_dropout(launch.buffer, dropout_seed, i * self.batch)
+                    elif len(self.offsets) > 1:  # user snippets see the global batch index too
+                        write_batch0(launch.buffer, i * self.batch)
+                    launch.fire(stream)
+        del memory
 
 
 def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int | None = None) -> None:
     """Allocate the plan's scratch, then launch it once per sub-batch with the arrays' pointers (and, with
     dropout, the seed and the sub-batch's first batch index: the mask is keyed by the global batch index)."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream().ptr
-    ptrs = dict(pointers)
-    memory = zeroed = None
-    if plan.scratch:
-        total, parts = plan.scratch_layout
-        memory = allocate(total)  # alive until every launch is queued (the pool then orders reuse on the stream)
-        base = memory.ptr
-        zeroed = [(base + at, nbytes) for _, at, nbytes, z in parts if z]
-        for field, at, _, _ in parts:
-            ptrs[field] = base + at
-    launches = plan.ready()
-    with _launching:
-        for i, offsets in enumerate(g.offsets):
-            if zeroed:  # every sub-batch accumulates from zero
-                for ptr, nbytes in zeroed:
-                    cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
-            values = Params.pointer_values(ptrs, offsets)
-            for launch in launches:
-                Params.write_pointers(launch.buffer, values)
-                if dropout_seed is not None:
-                    write_dropout(launch.buffer, dropout_seed, i * g.batch)
-                elif len(g.offsets) > 1:  # user snippets see the global batch index too
-                    write_batch0(launch.buffer, i * g.batch)
-                launch.fire(stream)
-    del memory
+    plan.runner(g, tuple(pointers))(tuple(pointers.values()), dropout_seed)
 
 
 def entry_points(module_name: str) -> tuple[Callable[..., None], Callable[..., None]]:

@@ -10,6 +10,7 @@ are merged into 4-D strided views (``_layout``) and the kernels take element str
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ from .._layout import batch_views, unit_last_stride
 from ..linear_validation import dmask_dtype
 from ..plans import DeviceLimits
 from ..plans import linear as plans
+from . import build
+from .build import cupy_module
 from .build import launch_plan as _launch
 
 NAME = "linear"
@@ -226,11 +229,14 @@ def _fused_setup(g: plans.LinearGeometry, rev: bool, limits: Any, overrides: tup
     return fp, state, tail(g.hk if rev else g.hq, g.group)
 
 
-def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale: float, limits: Any) -> None:
+def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale: float, limits: Any,
+           launch: Any = None) -> None:  # fmt: skip
     """One pass of linear_fused_walk: O = scale [(X Y^T o W) Z + X (Y^T Z)] walked chunk by chunk
-    (forward order for o / dq, reverse for dk / dv, which sum the GQA group's query heads)."""
+    (forward order for o / dq, reverse for dk / dv, which sum the GQA group's query heads). ``launch``: what
+    queues each kernel (``_launch`` when None; ``forward`` passes a recorder when it prepares a plain call)."""
     import cupy
 
+    launch = launch or _launch
     tensors, vec = _tensors(x4, y4, z4, o4)
     overrides = (FUSED_DV, FUSED_STAGES, FUSED_SEGMENTS, FUSED_SUB_LEN)
     fp, state_tail, walk_tail = _fused_setup(g, rev, limits, overrides, aux.has_decay, vec, scale)
@@ -239,8 +245,8 @@ def _fused(x4, y4, z4, o4, g: plans.LinearGeometry, aux: _Aux, rev: bool, scale:
         scratch = cupy.empty((g.batch, g.hk, g.nk, g.d), dtype=np.float32)
     u = aux.dummy if fp.state is None else cupy.empty(fp.u_shape, dtype=np.float32)
     if fp.state is not None:  # the slots' own state sums, one block per (query head, slot)
-        _launch(fp.state, (*tensors, scratch, u, aux.decay, *state_tail))
-    _launch(fp.launch, (*tensors, scratch, u, aux.decay, *walk_tail))
+        launch(fp.state, (*tensors, scratch, u, aux.decay, *state_tail))
+    launch(fp.launch, (*tensors, scratch, u, aux.decay, *walk_tail))
 
 
 # ---------------------------------------------------------------------------- masked
@@ -302,12 +308,21 @@ def _device(p, tensor_cores: bool | None) -> tuple[Any, int, bool]:
 
 
 def forward(q: Any, k: Any, v: Any, mask: Any, decay: Any, p, path: str = "auto", out: Any = None,
-            tensor_cores: bool | None = None) -> Any:
-    """o for checked CuPy inputs (a ``linear_validation.LinearProblem`` p); ``out`` receives o if given."""
+            tensor_cores: bool | None = None, plain_key: tuple | None = None) -> Any:
+    """o for checked CuPy inputs (a ``linear_validation.LinearProblem`` p); ``out`` receives o if given.
+    ``plain_key``: the call's ``plain_forward`` key, when it is a plain call (``linear_api``): if the call turns out
+    to be one launch sequence that ``_PlainForward`` can repeat, it is stored under that key."""
     which = _choose(p, mask, path)
     limits, device, tc = _device(p, tensor_cores)
     b = p.base
+    inputs = (q, k, v)
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    record = None
+    if (plain_key is not None and mask is None and decay is None and path == "auto" and out is None
+            and tensor_cores is None and all(x is y for x, y in zip((q, k, v), inputs)) and len(b.batch) == 1 and tc
+            and not (b.causal and b.nq > b.nk)):  # fmt: skip
+        q, k, v = _distinct(q, k, v)
+        record = []
     (o,) = _outputs((q,), b.dtype, None if out is None else (out,))
     if o.size == 0:
         return o
@@ -325,13 +340,124 @@ def forward(q: Any, k: Any, v: Any, mask: Any, decay: Any, p, path: str = "auto"
     for q4, k4, v4, o4 in _views((q, k, v, o), b.batch):
         g = _geometry(q4, p, tc)
         if tc:
-            _fused(q4, k4, v4, o4, g, aux, False, b.scale, limits)
+            _fused(q4, k4, v4, o4, g, aux, False, b.scale, limits, None if record is None else _recorder(record))
             continue
         s, cp = _states(k4, v4, g, aux, rev=False)
         _chunk_out(q4, k4, v4, o4, s, False, g, aux, cp, b.scale)
     if b.causal and b.nq > b.nk:
         o[..., : b.nq - b.nk, :] = 0  # query rows before the first key see nothing
+    if record is not None:
+        plain = _PlainForward.of(record, (q, k, v, o), aux.dummy)
+        if plain is not None:
+            if len(_plain_forwards) >= _MAX_PLAIN:
+                _plain_forwards.clear()
+            _plain_forwards[plain_key] = plain
     return o
+
+
+# ---------------------------------------------------------------------------- plain calls (issue 12)
+#
+# A plain call (``linear_api``: no mask, no decay; (B, H, N, D) arrays with unit last strides, on the fused walk
+# without its state pass) of a signature seen before skips the checks and this module's per-call planning: its
+# first call recorded the launches it queued, each argument an input, the output, the per-device dummy or a
+# constant, and later calls repeat them with the new pointers.
+
+#: Plain calls' launches by ``plain_key``; stored by ``forward`` for calls that passed ``check_linear``.
+_plain_forwards: dict[tuple, "_PlainForward"] = {}
+_MAX_PLAIN = 256
+
+
+def plain_key(q: Any, k: Any, v: Any, qp: int, kp: int, vp: int, causal: Any, scale: Any) -> tuple:
+    """Everything ``check_linear`` and ``forward`` read of a plain call: causal's and scale's types and values (True
+    == 1 == 1.0 as keys), the device, the fused walk's tile overrides, and each array's type, dtype, shape,
+    strides and whether its base pointer (qp, kp, vp) is 16-byte aligned (the walk's vector loads)."""
+    return (type(causal), causal, type(scale), scale, cupy_module().cuda.runtime.getDevice(),
+            FUSED_DV, FUSED_STAGES, FUSED_SEGMENTS, FUSED_SUB_LEN,
+            type(q), q.dtype, q.shape, q.strides, qp % 16 == 0,
+            type(k), k.dtype, k.shape, k.strides, kp % 16 == 0,
+            type(v), v.dtype, v.shape, v.strides, vp % 16 == 0)  # fmt: skip
+
+
+def plain_forward(q: Any, k: Any, v: Any, causal: Any, scale: Any) -> tuple[Any, tuple | None]:
+    """(o, key) for a plain call whose signature was stored; (None, key) when it was not (the caller then runs the
+    checks and ``forward(..., plain_key=key)``); (None, None) when q, k, v are not CuPy arrays or causal or scale
+    cannot be a key (the checks say why), or when ``_launch`` is hooked (tests and dev scripts that replace it see
+    every launch: repeated launches would bypass it)."""
+    if _launch is not build.launch_plan:
+        return None, None
+    try:
+        qp, kp, vp = q.data.ptr, k.data.ptr, v.data.ptr
+        key = plain_key(q, k, v, qp, kp, vp, causal, scale)
+        plain = _plain_forwards.get(key)
+    except Exception:  # NumPy's .data may raise; an unhashable scale raises here
+        return None, None
+    return (None if plain is None else plain(qp, kp, vp)), key
+
+
+def _recorder(record: list) -> Any:
+    def launch(plan: Any, args: tuple) -> None:
+        record.append((plan, args))
+        _launch(plan, args)
+
+    return launch
+
+
+def _distinct(*arrays: Any) -> tuple[Any, ...]:
+    """The arrays, a repeated one as a view of itself: the recorded launches then tell q, k and v apart."""
+    out: list[Any] = []
+    for x in arrays:
+        out.append(x.view() if any(x is y for y in out) else x)
+    return tuple(out)
+
+
+class _PlainForward:
+    """A plain call's launches made ready to repeat: each with its own argument buffer, packed once with every
+    argument of the recorded call, of which only the slots of q, k, v and o's pointers are rewritten per call."""
+
+    __slots__ = ("shape", "dtype", "nbytes", "launches", "_keep")
+
+    def __init__(self, o: Any, launches: tuple, keep: Any) -> None:
+        self.shape, self.dtype, self.nbytes = o.shape, o.dtype, o.nbytes
+        self.launches, self._keep = launches, keep  # the dummy's pointer is in the buffers: keep it alive
+
+    @classmethod
+    def of(cls, record: list, arrays: tuple[Any, Any, Any, Any], dummy: Any) -> "_PlainForward | None":
+        """From the launches ``forward`` recorded with ``arrays`` = (q, k, v, o); None if one took anything else
+        (a scratch array, a view)."""
+        launches = []
+        for plan, args in record:
+            codes = build.arg_codes(plan, args)
+            ready = build.ArgsLaunch(plan, codes)
+            slots = []
+            for at, a, c in zip(ready.offsets, args, codes):
+                if c != "P" or a is dummy:
+                    continue
+                which = [i for i, x in enumerate(arrays) if a is x]
+                if not which:
+                    return None
+                slots.append((at, which[0]))
+            ready.pack(args)
+            launches.append((ready, tuple(slots)))
+        return cls(arrays[3], tuple(launches), dummy)
+
+    def __call__(self, qp: int, kp: int, vp: int) -> Any:
+        """o, or None (nothing launched) if the allocator handed out memory off 16-byte alignment, which the
+        recorded call's vector stores may have counted on (CuPy's pool never does)."""
+        cupy = cupy_module()
+        o = cupy.ndarray(self.shape, self.dtype, cupy.cuda.alloc(self.nbytes))
+        ptrs = (qp, kp, vp, o.data.ptr)
+        if ptrs[3] % 16:
+            return None
+        stream = cupy.cuda.get_current_stream().ptr
+        with build._packing:  # the buffers are this call's until queued
+            for ready, slots in self.launches:
+                for at, i in slots:
+                    _POINTER.pack_into(ready.buffer, at, ptrs[i])
+                ready.queue(stream)
+        return o
+
+
+_POINTER = struct.Struct("@P")
 
 
 def backward(do: Any, q: Any, k: Any, v: Any, mask: Any, decay: Any, p, mask_grad: bool = False,

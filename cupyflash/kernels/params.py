@@ -5,13 +5,13 @@ alignment, field for field); ``tests/test_launch_abi.py`` compiles the C++ struc
 checks the size and every offset against it, so the two cannot drift apart.
 
 A launch fills a ``Params`` once per problem signature (sizes, strides, scale, grid order) and only
-writes the array pointers per call (``pointer_values``/``write_pointers`` into each launch's own buffer,
-``build.Launch``): one ``struct.pack_into`` per launch.
+writes the array pointers per call into each launch's own buffer (``build.Launch``): one ``struct.pack_into`` per
+launch (``PointerPacker`` for a fixed set of names, ``pointer_values``/``write_pointers`` for any).
 """
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -119,6 +119,23 @@ class Params:
         """Write ``pointer_values`` into the leading pointer block of a writable struct buffer."""
         _POINTER_PACK.pack_into(buffer, 0, *values)
 
+
+
+class PointerPacker:
+    """Writes the whole pointer block of one fixed set of pointer names in one ``pack_into``: a struct over every
+    slot of ``POINTERS``, 8 pad bytes (written as zeros) for each slot not named. So it writes exactly what
+    ``write_pointers(buffer, pointer_values(...))`` writes, without a value list built per call.
+    ``pack_into(buffer, 0, *values)`` takes the values in struct order, ``names``."""
+
+    __slots__ = ("names", "pack_into")
+
+    def __init__(self, names: Iterable[str]) -> None:
+        named = set(names)
+        unknown = named.difference(POINTERS)
+        if unknown:
+            raise ValueError(f"not pointer fields of AttentionParams: {sorted(unknown)}")
+        self.names = tuple(n for n in POINTERS if n in named)
+        self.pack_into = struct.Struct("<" + "".join("Q" if n in named else "8x" for n in POINTERS)).pack_into
 
 
 _SEED_AT = PARAMS.fields["dropout_seed"][1]
