@@ -69,6 +69,7 @@ struct NoMask {
 // Causal, bottom-right aligned (FlashAttention >= 2.1): key k is visible to query q iff k <= q + nk - nq.
 // With Nq > Nk the first Nq - Nk queries see no key at all.
 struct Causal {
+  static constexpr bool kOneSided = true;  // a query sees no key past its diagonal (OneSided)
   int nq, nk, offset;
   __device__ Causal(const AttentionParams&, int nq_, int nk_) : nq(nq_), nk(nk_), offset(nk_ - nq_) {}
   __device__ __forceinline__ bool visible(int q, int k) const { return k < nk && k <= q + offset; }
@@ -181,6 +182,9 @@ struct ModScore {
 
 // Does a score type split its softcap out at compile time (ModScore's kCap forms)?
 CUPYFLASH_POLICY_FLAG(SplitsSoftcap, kSplitsSoftcap);
+// Does a mask hide every key past a query's diagonal (k > q + nk - nq)? Then ALiBi's |q + nk - nq - k| of a visible
+// pair is q + nk - nq - k (the forwards' alibi_strip_one_sided).
+CUPYFLASH_POLICY_FLAG(OneSided, kOneSided);
 
 // A cache hint for a kRows x kCols tile of a score-shaped array whose key axis is contiguous: rows q0.. and
 // elements k0.. (clipped to nq x nk; sq = 0: one row serves every query), from kThreads threads together (a warp,

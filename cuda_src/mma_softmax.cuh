@@ -312,11 +312,31 @@ __device__ __forceinline__ void score_strip_as(float (&s)[NT][4], int row0, int 
   });
 }
 
+// ALiBi alone (no softcap) under a one-sided mask (OneSided: Causal), a query-major strip: a visible pair's distance
+// q + offset - k is this lane's base minus a compile-time step, exact as a float, so a score takes an FADD, an FMUL
+// and an FFMA instead of the FMUL, the four operations of distance_of's |q + offset - k| and the FFMA. Keys past the
+// diagonal get negative distances (finite): the mask sets them to -inf next (they sit in partial tiles only).
+template <int NT, class Score>
+__device__ __forceinline__ void alibi_strip_one_sided(float (&s)[NT][4], int row0, int col0, const Score& score) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const float base = static_cast<float>(row0 + (lane >> 2) + score.offset - col0 - (lane & 3) * 2);
+  const float slope = score.slope_log2, scale = score.P->scale_log2;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float distance = base + static_cast<float>((e >> 1) * 8 - n * 8 - (e & 1));
+      s[n][e] = fmaf(slope, distance, s[n][e] * scale);
+    }
+  }
+}
+
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
 // 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
 // 16-bit rounding); float32 kernels take the accurate ones.
-template <int NT, bool kKeyRows = false, bool kFast = true, class Score>
+// kOneSided: the kernel's mask is OneSided (the forwards pass it; ALiBi then skips the distance's abs).
+template <int NT, bool kKeyRows = false, bool kFast = true, bool kOneSided = false, class Score>
 __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
                                              float scale_log2) {
   if constexpr (Score::kIdentity) {
@@ -325,6 +345,12 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     // The forwards' strips also skip the ALiBi distance (4 instructions a score) where the head has no slope:
     // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
     // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
+    if constexpr (kOneSided && !kKeyRows) {
+      if (!score.softcapped()) {
+        alibi_strip_one_sided<NT>(s, row0, col0, score);
+        return 1.f;
+      }
+    }
     if (!score.softcapped()) score_strip_as<NT, kKeyRows, kFast, false, true>(s, row0, col0, score);  // ALiBi
     else if (kKeyRows || score.sloped()) score_strip_as<NT, kKeyRows, kFast, true, true>(s, row0, col0, score);
     else score_strip_as<NT, kKeyRows, kFast, true, false>(s, row0, col0, score);

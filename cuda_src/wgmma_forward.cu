@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kWG * 128, kMinBlocks) wgmma_flash_fwd(const _
     const int j0 = (kt.end - 1 - t) * Bc;
     const int row0 = q0 + row_w;
     use_score_tile(pol.score, sScore_u + (t & 1) * kScoreBytes, q0, j0);
-    const float c = score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
+    const float c = score_strip<kNT, false, true, OneSided<typename Policy::Mask>::value>(s, row0, j0, pol.score,
+                                                                                    p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mask_strip<kNT>(s, row0, j0, pol.mask);
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
     // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.

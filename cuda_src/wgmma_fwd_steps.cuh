@@ -88,7 +88,8 @@ struct Steps {
     const int j0 = (kt_end - 1 - t) * Bc;
     const int row0 = q0 + row_w;
     use_score_tile(pol.score, sScore_u + (t & 1) * kScoreBytes, q0, j0);
-    const float c = mma::score_strip<kNT>(s, row0, j0, pol.score, p.scale_log2);
+    const float c = mma::score_strip<kNT, false, true, OneSided<typename Policy::Mask>::value>(s, row0, j0, pol.score,
+                                                                                          p.scale_log2);
     if (pol.mask.partial(row0, row0 + 16, j0, j0 + Bc)) mma::mask_strip<kNT>(s, row0, j0, pol.mask);
     mma::online_softmax<kNT>(s, c, m_run, l_run, alpha);
     // Dropout after the row sums (lse stays undropped): P V takes P * keep, O is scaled by 1 / (1 - p) at the end.
