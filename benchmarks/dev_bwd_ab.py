@@ -21,6 +21,7 @@ ROWS = {  # name: (causal, keywords)
     "full": (False, {}),
     "causal": (True, {}),
     "softcap": (False, {"softcap": 50.0}),
+    "softcap-c": (True, {"softcap": 50.0}),
     "alibi-c": (True, {"alibi_slopes": None}),
     "window-c": (True, {"window_size": (1024, 0)}),
     "dropout": (False, {"dropout_p": 0.1, "dropout_seed": 7}),
