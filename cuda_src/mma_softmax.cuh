@@ -313,7 +313,7 @@ __device__ __forceinline__ void score_strip_as(float (&s)[NT][4], int row0, int 
 }
 
 // ALiBi alone (no softcap) under a one-sided mask (OneSided: Causal), a query-major strip: a visible pair's distance
-// q + offset - k is this lane's base minus a compile-time step, exact as a float, so a score takes an FADD, an FMUL
+// q + offset - k is this lane's base plus a compile-time step, exact as a float, so a score takes an FADD, an FMUL
 // and an FFMA instead of the FMUL, the four operations of distance_of's |q + offset - k| and the FFMA. Keys past the
 // diagonal get negative distances (finite): the mask sets them to -inf next (they sit in partial tiles only).
 template <int NT, class Score>
