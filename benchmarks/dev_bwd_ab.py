@@ -1,13 +1,18 @@
-"""The wgmma backward of whatever tree is imported, over the variants (plain, causal, softcap, ALiBi, window,
-dropout, deterministic), for A/B runs of trees in alternating processes (s17: where the dQ adds sit in a step).
-bf16, B*N = 16k, H*D = 2048; GPU ms per call (dev_ws_ab.per_call_ms), and float64 sums of dk, dv, dq so that the
-trees' results can be compared (dk and dv bitwise; dq adds in any order). GPU machine:
+"""The wgmma kernels of whatever tree is imported, over the variants (plain, causal, softcap, ALiBi, window,
+dropout, deterministic), for A/B runs of trees in alternating processes (s17: where the backward's dQ adds sit in a
+step; the forwards' one-sided ALiBi strips). bf16, H*D = 2048; GPU ms per call (dev_ws_ab.per_call_ms) and what lets
+the trees' results be compared:
+- ``--pass bwd`` (B*N = 16k, N = 8k by default): float64 sums of dq, dk, dv (dk and dv bitwise; dq adds in any
+  order);
+- ``--pass fwd`` (B = 1, N = 16k by default): a hash of o and lse, bitwise.
+GPU machine:
     for r in 1 2; do for t in old new; do PYTHONPATH=$PWD/<tree of $t> python benchmarks/dev_bwd_ab.py $t; done
     done > $OUT/bwd_ab.txt
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 
@@ -22,11 +27,14 @@ ROWS = {  # name: (causal, keywords)
     "causal": (True, {}),
     "softcap": (False, {"softcap": 50.0}),
     "softcap-c": (True, {"softcap": 50.0}),
+    "alibi": (False, {"alibi_slopes": None}),
     "alibi-c": (True, {"alibi_slopes": None}),
     "window-c": (True, {"window_size": (1024, 0)}),
     "dropout": (False, {"dropout_p": 0.1, "dropout_seed": 7}),
     "determ": (False, {"deterministic": True}),
 }
+DEFAULT_ROWS = {"bwd": ["full", "causal", "softcap", "alibi-c", "window-c", "dropout", "determ"],
+                "fwd": ["alibi-c", "alibi", "softcap-c", "causal"]}
 
 
 def main() -> None:
@@ -34,24 +42,31 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("tag")
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--n", type=int, nargs="+", default=[8192])
-    ap.add_argument("--rows", nargs="+", default=list(ROWS))
+    ap.add_argument("--n", type=int, nargs="+", default=None)
+    ap.add_argument("--rows", nargs="+", default=None)
     a = ap.parse_args()
+    ns = a.n or ([8192] if a.which == "bwd" else [16384])
     print(f"# {a.tag}: {cf.__file__}", flush=True)
     bf16 = cp.dtype("bfloat16")
     for d in a.d:
-        for n in a.n:
-            b, h = max(1, 16384 // n), 2048 // d
+        for n in ns:
+            b, h = max(1, 16384 // n) if a.which == "bwd" else 1, 2048 // d
             rng = cp.random.default_rng(0)
             q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(bf16) for _ in range(4))
-            for name in a.rows:
+            for name in a.rows or DEFAULT_ROWS[a.which]:
                 causal, kw = ROWS[name]
                 kw = dict(kw)
                 if "alibi_slopes" in kw:
                     kw["alibi_slopes"] = (2.0 ** (-8.0 * (cp.arange(h, dtype=cp.float32) + 1) / h)).astype(cp.float32)
                 det = kw.pop("deterministic", False)
                 o, lse = cf.attention_forward(q, k, v, causal=causal, **kw)
+                if a.which == "fwd":
+                    digest = hashlib.sha1(o.get().tobytes() + lse.get().tobytes()).hexdigest()[:12]
+                    ms = per_call_ms(lambda: cf.attention_forward(q, k, v, causal=causal, **kw))
+                    print(f"{a.tag} D={d} N={n} {name:9s} fwd {ms:.3f} ms | o,lse {digest}", flush=True)
+                    continue
                 grads = cf.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det, **kw)
                 sums = " ".join(f"{float(g.astype(cp.float64).sum()):.9e}" for g in grads[:3])
                 ms = per_call_ms(lambda: cf.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det,

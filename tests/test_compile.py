@@ -72,7 +72,8 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
        for ct in ("__half", "__nv_bfloat16") for mask in ("NoMask", "Causal", "Window")},
     # The warp-specialised D = 64 forward (160 consumer registers) with the forwards' softcap-without-ALiBi strip
     # (mma_softmax.cuh's score_strip: softcap-only forward 6% faster at D = 64): causal + ModScore 4/8 B (NVRTC 13.5;
-    # fp16 or bf16, whichever ptxas happens to allocate worse).
+    # fp16 or bf16, whichever ptxas happens to allocate worse); 0 B at both since the causal ALiBi strip
+    # (alibi_strip_one_sided, s17), the allowance kept for ptxas's variation.
     **{(f"wgmma_flash_fwd_ws<{ct}, 64, 128, 3, 4, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore>>", "*"): 8
        for ct in ("__half", "__nv_bfloat16")},
     # The wgmma backward with dropout's keep-bit drawer (issue 16): its compute warpgroups hold 240 registers (the

@@ -416,3 +416,21 @@ def test_runner_writes_each_sub_batch_as_before(dev, monkeypatch):
         assert bytes(want) == params
         assert int.from_bytes(params[b0_at:b0_at + 4], "little") == 2 * (i // 2)
         assert int.from_bytes(params[seed_at:seed_at + 8], "little") == 9
+
+
+def test_the_unrolled_signatures_read_what_array_key_reads(dev):
+    """The short paths' keys are written out flat for speed (a loop over the arrays cost ~0.6 us more on a
+    workstation); they must hold exactly ``_array_key`` of each array, in order, so that a field added there cannot
+    be missed here."""
+    q, k, v, o, do = arrays(dev, 5)
+    lse = dev.array(SHAPE[:-1], np.float32, 1 << 24)
+    head = (bool, True, float, 0.5, 3)
+    forward = cuda_backend._forward_signature(q, k, v, q.data.ptr, k.data.ptr, v.data.ptr, True, 0.5, 3)
+    assert forward == (*head, *(e for x in (q, k, v) for e in cuda_backend._array_key(x)))
+    ptrs = tuple(x.data.ptr for x in (q, k, v, o, lse, do))
+    backward = cuda_backend._backward_signature(q, k, v, o, lse, do, ptrs, True, 0.5, 3)
+    assert backward == (*head, *(e for x in (q, k, v, o, lse, do) for e in cuda_backend._array_key(x)))
+    key = linear.plain_key(q, k, v, q.data.ptr, k.data.ptr, v.data.ptr, True, 0.5)
+    overrides = (linear.FUSED_DV, linear.FUSED_STAGES, linear.FUSED_SEGMENTS, linear.FUSED_SUB_LEN)
+    assert key == (bool, True, float, 0.5, dev.device, *overrides,
+                   *(e for x in (q, k, v) for e in cuda_backend._array_key(x)))  # fmt: skip
