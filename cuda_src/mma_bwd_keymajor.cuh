@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
 #pragma unroll
       for (int kq = 0; kq < Br / 8; ++kq) {
         uint32_t ah[4], al[4];
-        pack_a_fast<Policy::Dropout::kOn>(ah, al, pt, kq, keep);
+        pack_a_tf32_kept<Policy::Dropout::kOn>(ah, al, pt, kq, keep);
         mma_k8_kpair<D>(acc_dv, ah, al, kp, sdO_u, kq * 8, kDSplit == 1 ? 0 : dw * kDS);
       }
     } else {
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
         for (int kc = 0; kc < kNC; ++kc) {
           const int kq = ch * kNC + kc;
           uint32_t ah[4], al[4];
-          pack_a_fast(ah, al, pt, kq);
+          pack_a_tf32_kept(ah, al, pt, kq);
           if (dw == 0) store_ds_f32<Br>(reinterpret_cast<unsigned char*>(sdS), pt[kq], 16 * kw + (lane >> 2), kq);
           mma_k8_kpair<D>(acc_dk, ah, al, kp, sQ_u, kq * 8, kDSplit == 1 ? 0 : dw * kDS);
         }

@@ -9,9 +9,8 @@
 //                                       are the queries, the contraction: ld_kpair_tf32 (mma_k8_kpair)
 //   dQ_i += dS K_j                      A = dS from the dS^T tile (stored rows: keys, the contraction) by two
 //                                       ld_kpair_tf32 (ld_ds_a), B = K_j (stored rows: keys) by ld_kpair_tf32
-// Both operands of a product use the same permuted k order (mma_tf32.cuh), so each sum is the same sum. Operands are
-// split by split_tf32_fast (4 instructions, not cvt.rna's 7): at 3 mma per product, the splits are most of the
-// kernel's non-mma instructions.
+// Both operands of a product use the same permuted k order (mma_tf32.cuh), so each sum is the same sum. At 3 mma per
+// product, the operands' splits (split_tf32) are most of the kernel's non-mma instructions.
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"  // KeepBits, is_kept
@@ -45,36 +44,16 @@ __device__ __forceinline__ void load_tile_any_async(typename SmemOf<T>::type* sm
   }
 }
 
-// x = hi + lo in four integer/float operations instead of cvt.rna.tf32.f32's (which lowers to an |x| < inf test, a
-// predicated add and a mask, twice): hi rounds x to tf32 by adding half a tf32 ulp to the bits and clearing the 13
-// low ones (ties away from zero, as .rna), lo = x - hi is exact in float and is cut to tf32 by its mask (an error of
-// at most 2^-10 |lo| <= 2^-21 |x|, next to the dropped lo * lo of 2^-22 |x y|). Infinities stay infinite in hi (their
-// low bits are zero) and make lo NaN, as split_tf32 does; the product is NaN either way.
-__device__ __forceinline__ Tf32Pair split_tf32_fast(float x) {
-  const uint32_t hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-  return Tf32Pair{hi, __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u};
-}
-
-template <int N>
-__device__ __forceinline__ void split_frag_fast(uint32_t (&hi)[N], uint32_t (&lo)[N], const uint32_t (&raw)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const Tf32Pair s = split_tf32_fast(__uint_as_float(raw[i]));
-    hi[i] = s.hi;
-    lo[i] = s.lo;
-  }
-}
-
-// pack_a_tf32 with split_tf32_fast, of C tile kk of a strip held in registers (P^T, dS^T); kKeep: only the kept
-// probabilities (dV's A operand under dropout; keep bits of dropout_bits<NT, true>).
+// pack_a_tf32 (C tile kk of a strip held in registers: P^T, dS^T), with kKeep: only the kept probabilities (dV's A
+// operand under dropout; keep bits of dropout_bits<NT, true>).
 template <bool kKeep = false, int NT>
-__device__ __forceinline__ void pack_a_fast(uint32_t (&hi)[4], uint32_t (&lo)[4], const float (&c)[NT][4], int kk,
-                                            KeepBits<NT> bits = 0) {
+__device__ __forceinline__ void pack_a_tf32_kept(uint32_t (&hi)[4], uint32_t (&lo)[4], const float (&c)[NT][4],
+                                                 int kk, KeepBits<NT> bits = 0) {
   constexpr int kE[4] = {0, 2, 1, 3};  // pack_a_tf32's (permuted k) order
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float x = c[kk][kE[i]];
-    const Tf32Pair s = split_tf32_fast(kKeep ? (is_kept<NT, true>(bits, kk, kE[i]) ? x : 0.f) : x);
+    const Tf32Pair s = split_tf32(kKeep ? (is_kept<NT, true>(bits, kk, kE[i]) ? x : 0.f) : x);
     hi[i] = s.hi;
     lo[i] = s.lo;
   }
@@ -103,8 +82,8 @@ struct KpairLanes {
       a0 = base + off + static_cast<uint32_t>(row0 * kPitchB + col0 * 4);
       a1 = a0 + kPitchB;
     }
-    x0 = split_tf32_fast(lds_f32(a0));
-    x1 = split_tf32_fast(lds_f32(a1));
+    x0 = split_tf32(lds_f32(a0));
+    x1 = split_tf32(lds_f32(a1));
   }
 };
 
@@ -115,12 +94,12 @@ __device__ __forceinline__ void mma_k8_rows(float (&acc)[kN][4], uint32_t a_addr
   static_assert(kN % 2 == 0, "B fragments come in pairs");
   uint32_t raw[4], ah[4], al[4];
   ldmatrix_x4(raw, a_addr);
-  split_frag_fast(ah, al, raw);
+  split_frag(ah, al, raw);
 #pragma unroll
   for (int n2 = 0; n2 < kN / 2; ++n2) {
     uint32_t b[4], bh[4], bl[4];
     ldmatrix_x4(b, b_addr(n2));
-    split_frag_fast(bh, bl, b);
+    split_frag(bh, bl, b);
     mma_3xtf32(acc[2 * n2], ah, al, Tf32Pair{bh[0], bl[0]}, Tf32Pair{bh[1], bl[1]});
     mma_3xtf32(acc[2 * n2 + 1], ah, al, Tf32Pair{bh[2], bl[2]}, Tf32Pair{bh[3], bl[3]});
   }

@@ -30,16 +30,19 @@
 namespace cupyflash {
 namespace mma {
 
-// x = hi + lo, both tf32 bit patterns (round to nearest), lo the part of x that hi cannot hold.
 struct Tf32Pair {
   uint32_t hi, lo;
 };
+
+// x = hi + lo, both tf32 bit patterns, lo the part of x that hi cannot hold, in four integer/float operations
+// (cvt.rna.tf32.f32 lowers to an |x| < inf test, a predicated add and a mask: seven for the pair): hi rounds x to
+// tf32 by adding half a tf32 ulp to the bits and clearing the 13 low ones (ties away from zero, as .rna), lo = x - hi
+// is exact in float and is cut to tf32 by its mask (an error of at most 2^-10 |lo| <= 2^-21 |x|, next to the dropped
+// lo * lo of 2^-22 |x y|). Infinities stay infinite in hi (their low bits are zero) and make lo NaN; a NaN stays NaN
+// in lo (in hi too unless its payload carries out of the sign bit); a product with either is NaN.
 __device__ __forceinline__ Tf32Pair split_tf32(float x) {
-  Tf32Pair r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r.hi) : "f"(x));
-  const float rest = x - __uint_as_float(r.hi);
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r.lo) : "f"(rest));
-  return r;
+  const uint32_t hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  return Tf32Pair{hi, __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u};
 }
 
 // N registers (floats as bits, e.g. from ldmatrix) split into hi and lo parts.
