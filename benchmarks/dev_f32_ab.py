@@ -17,9 +17,10 @@ import cupyflash as cf  # the tree on PYTHONPATH, imported before this checkout 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (B, H, N, D, causal): issue 12's float32 row first (<= 25 us forward, <= 45 us backward).
+# (B, H, N, D, causal[, scale]): issue 12's float32 row first (<= 25 us forward, <= 45 us backward); last, the large
+# logits of tests/test_mma_float32_bwd_gpu.py::test_large_logits (scale 10), where the splits' errors show most.
 SHAPES = [(4, 12, 256, 64, False), (4, 12, 256, 64, True), (2, 16, 1024, 64, False), (2, 8, 4096, 64, False),
-          (2, 8, 4096, 64, True), (4, 12, 256, 128, False), (2, 8, 2048, 128, False)]
+          (2, 8, 4096, 64, True), (4, 12, 256, 128, False), (2, 8, 2048, 128, False), (1, 2, 300, 64, False, 10.0)]
 
 
 def queued_us(fn, calls: int = 50, rounds: int = 5) -> float:
@@ -47,20 +48,20 @@ def queued_us(fn, calls: int = 50, rounds: int = 5) -> float:
     return statistics.median(out)
 
 
-def exact(q, k, v, do, causal):
+def exact(q, k, v, do, causal, scale):
     """o and (dq, dk, dv) in float64 on the GPU (materialised scores)."""
     import cupy as cp
 
     q, k, v, do = (x.astype(cp.float64) for x in (q, k, v, do))
     n_q, n_k = q.shape[2], k.shape[2]
-    s = q @ k.swapaxes(-1, -2) / q.shape[-1] ** 0.5
+    s = q @ k.swapaxes(-1, -2) * scale
     if causal:
         s = cp.where(cp.arange(n_k)[None, :] > cp.arange(n_q)[:, None] + (n_k - n_q), -cp.inf, s)
     p = cp.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     o = p @ v
     dp = do @ v.swapaxes(-1, -2)
-    ds = p * (dp - (do * o).sum(-1, keepdims=True)) / q.shape[-1] ** 0.5
+    ds = p * (dp - (do * o).sum(-1, keepdims=True)) * scale
     return o, (ds @ k, ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ do)
 
 
@@ -75,16 +76,18 @@ def main() -> None:
 
     tag = sys.argv[1]
     print(f"# {tag}: {cf.__file__}", flush=True)
-    for b, h, n, d, causal in SHAPES:
+    for b, h, n, d, causal, *rest in SHAPES:
+        scale = rest[0] if rest else d ** -0.5
         rng = cp.random.default_rng(0)
         q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32) for _ in range(4))
-        o, lse = cf.attention_forward(q, k, v, causal=causal, kernel="mma")
-        grads = cf.attention_backward(do, q, k, v, o, lse, causal=causal, kernel="mma")
-        o_ref, g_ref = exact(q, k, v, do, causal)
+        o, lse = cf.attention_forward(q, k, v, causal=causal, scale=scale, kernel="mma")
+        grads = cf.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, kernel="mma")
+        o_ref, g_ref = exact(q, k, v, do, causal, scale)
         err = f"o {rel(o, o_ref):.1e} " + " ".join(f"{nm} {rel(g, r):.1e}" for nm, g, r in zip("qkv", grads, g_ref))
-        fwd = queued_us(lambda: cf.attention_forward(q, k, v, causal=causal, kernel="mma"))
-        bwd = queued_us(lambda: cf.attention_backward(do, q, k, v, o, lse, causal=causal, kernel="mma"))
-        print(f"{tag} B={b} H={h} N={n} D={d} {'causal' if causal else 'full  '} fwd {fwd:8.1f} us  bwd {bwd:8.1f} us"
+        fwd = queued_us(lambda: cf.attention_forward(q, k, v, causal=causal, scale=scale, kernel="mma"))
+        bwd = queued_us(lambda: cf.attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, kernel="mma"))
+        mask = ("causal" if causal else "full  ") + (f" scale {scale:g}" if rest else "")
+        print(f"{tag} B={b} H={h} N={n} D={d} {mask} fwd {fwd:8.1f} us  bwd {bwd:8.1f} us"
               f" | rel err {err}", flush=True)
         q = k = v = do = o = lse = grads = o_ref = g_ref = None
         cp.get_default_memory_pool().free_all_blocks()

@@ -193,7 +193,10 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     if constexpr (kF32) {
 #pragma unroll
       for (int ks = 0; ks < D / 8; ++ks)
-        mma_k8_rows(pt, kv_a.at(sK_u, ks), [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
+        // float32 splits (mma_tf32.cuh): S^T's operands are rounded (split_tf32), since an error in S^T is multiplied
+        // by the scale inside exp2 (test_mma_float32_bwd_gpu.py::test_large_logits, scale 10, failed with them cut);
+        // every other product's are cut (split_tf32_cut: two instructions and no register for hi).
+        mma_k8_rows<false>(pt, kv_a.at(sK_u, ks), [&](int n2) { return qn_b.at(sQ_u, ks, n2 * 16); });
     } else {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -252,7 +255,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
       if constexpr (kF32) {
 #pragma unroll
         for (int ks = 0; ks < D / 8; ++ks)
-          mma_k8_rows(dpt, kv_a.at(sV_u, ks), [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
+          mma_k8_rows<true>(dpt, kv_a.at(sV_u, ks),
+                              [&](int n2) { return qn_b.at(sdO_u, ks, (ch * kNC / 2 + n2) * 16); });
       } else {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {

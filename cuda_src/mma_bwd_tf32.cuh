@@ -10,7 +10,8 @@
 //   dQ_i += dS K_j                      A = dS from the dS^T tile (stored rows: keys, the contraction) by two
 //                                       ld_kpair_tf32 (ld_ds_a), B = K_j (stored rows: keys) by ld_kpair_tf32
 // Both operands of a product use the same permuted k order (mma_tf32.cuh), so each sum is the same sum. At 3 mma per
-// product, the operands' splits (split_tf32) are most of the kernel's non-mma instructions.
+// product, the operands' splits (split_tf32_cut, two instructions: mma_tf32.cuh) are most of the kernel's non-mma
+// instructions.
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"  // KeepBits, is_kept
@@ -53,7 +54,7 @@ __device__ __forceinline__ void pack_a_tf32_kept(uint32_t (&hi)[4], uint32_t (&l
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float x = c[kk][kE[i]];
-    const Tf32Pair s = split_tf32(kKeep ? (is_kept<NT, true>(bits, kk, kE[i]) ? x : 0.f) : x);
+    const Tf32Pair s = split_tf32_cut(kKeep ? (is_kept<NT, true>(bits, kk, kE[i]) ? x : 0.f) : x);
     hi[i] = s.hi;
     lo[i] = s.lo;
   }
@@ -82,24 +83,25 @@ struct KpairLanes {
       a0 = base + off + static_cast<uint32_t>(row0 * kPitchB + col0 * 4);
       a1 = a0 + kPitchB;
     }
-    x0 = split_tf32(lds_f32(a0));
-    x1 = split_tf32(lds_f32(a1));
+    x0 = split_tf32_cut(lds_f32(a0));
+    x1 = split_tf32_cut(lds_f32(a1));
   }
 };
 
 // One k8 step of acc[n] += A B_n where both operands' stored rows are the M and N index (K_j Q_i^T, V_j dO_i^T):
-// A's 16 rows by ldmatrix at a_addr, B's kN n8 tiles two per ldmatrix at b_addr(n2); both split into tf32 pairs.
-template <int kN, typename BAddr>
+// A's 16 rows by ldmatrix at a_addr, B's kN n8 tiles two per ldmatrix at b_addr(n2); both split into tf32 pairs, by
+// split_tf32_cut (kCut) or the rounding split_tf32.
+template <bool kCut, int kN, typename BAddr>
 __device__ __forceinline__ void mma_k8_rows(float (&acc)[kN][4], uint32_t a_addr, BAddr b_addr) {
   static_assert(kN % 2 == 0, "B fragments come in pairs");
   uint32_t raw[4], ah[4], al[4];
   ldmatrix_x4(raw, a_addr);
-  split_frag(ah, al, raw);
+  split_frag<kCut>(ah, al, raw);
 #pragma unroll
   for (int n2 = 0; n2 < kN / 2; ++n2) {
     uint32_t b[4], bh[4], bl[4];
     ldmatrix_x4(b, b_addr(n2));
-    split_frag(bh, bl, b);
+    split_frag<kCut>(bh, bl, b);
     mma_3xtf32(acc[2 * n2], ah, al, Tf32Pair{bh[0], bl[0]}, Tf32Pair{bh[1], bl[1]});
     mma_3xtf32(acc[2 * n2 + 1], ah, al, Tf32Pair{bh[2], bl[2]}, Tf32Pair{bh[3], bl[3]});
   }

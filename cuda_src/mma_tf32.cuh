@@ -45,12 +45,24 @@ __device__ __forceinline__ Tf32Pair split_tf32(float x) {
   return Tf32Pair{hi, __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u};
 }
 
-// N registers (floats as bits, e.g. from ldmatrix) split into hi and lo parts.
-template <int N>
+// The backward's split for its linear products (mma_bwd_tf32.cuh; S^T keeps split_tf32), in two operations and no
+// register for hi: hi is x itself, which the tensor cores cut to tf32 (mma.sync reads a tf32 operand's top 19 bits and
+// ignores the 13 low ones: tests/test_mma_float32_fwd_gpu.py's test_tf32_operands_are_cut holds the GPU to that), and
+// lo = x - cut(x), exact in float and cut in turn. Against split_tf32, |lo| < 2^-10 |x| rather than 2^-11, so lo's cut
+// and the dropped lo * lo are 2^-20 rather than 2^-21 and 2^-22. Measured on an H100 (benchmarks/NOTES.md, s19): the
+// backward 1.02-1.06x; in the forward it doubled o's error (2.1e-6 -> 5.8e-6 max-relative at N = 4096) and in the
+// backward's S^T it failed test_large_logits (an error in S^T is multiplied by the scale inside exp2).
+__device__ __forceinline__ Tf32Pair split_tf32_cut(float x) {
+  const uint32_t hi = __float_as_uint(x);
+  return Tf32Pair{hi, __float_as_uint(x - __uint_as_float(hi & 0xffffe000u))};
+}
+
+// N registers (floats as bits, e.g. from ldmatrix) split into hi and lo parts (kCut: split_tf32_cut).
+template <bool kCut = false, int N>
 __device__ __forceinline__ void split_frag(uint32_t (&hi)[N], uint32_t (&lo)[N], const uint32_t (&raw)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const Tf32Pair s = split_tf32(__uint_as_float(raw[i]));
+    const Tf32Pair s = kCut ? split_tf32_cut(__uint_as_float(raw[i])) : split_tf32(__uint_as_float(raw[i]));
     hi[i] = s.hi;
     lo[i] = s.lo;
   }

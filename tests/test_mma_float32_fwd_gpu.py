@@ -284,3 +284,39 @@ def test_staged_score_tiles(name, shape, spec, how, d, rng):
     assert (f", {cfg.br}, {cfg.bc}>" in bwd.main.name) == fits, bwd.main.name
     o, lse, grads = run_family("mma", q, k, v, do, causal, kw)
     check_masks("mma", "float32", q, k, v, do, causal, kw, o, lse, grads)
+
+
+_CUT_PROBE = r'''
+#include "mma_tf32.cuh"
+using namespace cupyflash::mma;
+// One m16n8k8 tf32 product: A = x in column 0 of every row (zeros elsewhere), B = 1 in row 0 of every column, so
+// c[row][col] = the value the tensor cores take for A's x of that row. Lane (g, t) holds a[0] = (g, t), a[1] =
+// (g + 8, t): x goes where t == 0.
+extern "C" __global__ void probe(const unsigned int* x, float* out) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const uint32_t a[4] = {t == 0 ? x[g] : 0u, t == 0 ? x[g + 8] : 0u, 0u, 0u};
+  const uint32_t one = __float_as_uint(1.0f);
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  mma_1688_tf32(c, a, t == 0 ? one : 0u, 0u);
+  out[g * 2] = c[0];
+  out[(g + 8) * 2] = c[2];
+}
+'''
+
+
+def test_tf32_operands_are_cut():
+    """The float32 backward's split_tf32_cut (cuda_src/mma_tf32.cuh) hands x itself to mma.sync as hi, and lo = x -
+    cut(x) with its low bits set, relying on the tensor cores to read a tf32 operand's top 19 bits and ignore the 13
+    low ones (cut, not rounded). If a GPU rounded or kept them instead, this fails before any float32 gradient
+    drifts."""
+    from cupyflash.kernels.build import compile_options
+
+    mod = cupy.RawModule(code=_CUT_PROBE, options=compile_options(), name_expressions=["probe"])
+    rng = np.random.default_rng(11)
+    vals = (rng.standard_normal(16) * 2.0 ** rng.integers(-20, 20, 16)).astype(F32)
+    bits = vals.view(np.uint32) | np.uint32(0x1fff)  # every low bit set: rounding would carry, cutting drops them
+    out = cupy.full(32, np.nan, dtype=F32)
+    mod.get_function("probe")((1,), (32,), (cupy.asarray(bits), out))
+    got = cupy.asnumpy(out)[::2]
+    cut = (bits & np.uint32(0xFFFFE000)).view(F32)
+    np.testing.assert_array_equal(got, cut)
