@@ -10,8 +10,8 @@
 //   dQ_i += dS K_j                      A = dS from the dS^T tile (stored rows: keys, the contraction) by two
 //                                       ld_kpair_tf32 (ld_ds_a), B = K_j (stored rows: keys) by ld_kpair_tf32
 // Both operands of a product use the same permuted k order (mma_tf32.cuh), so each sum is the same sum. At 3 mma per
-// product, the operands' splits (split_tf32_cut, two instructions: mma_tf32.cuh) are most of the kernel's non-mma
-// instructions.
+// product, the operands' splits are most of the kernel's non-mma instructions: split_tf32_cut (two instructions,
+// mma_tf32.cuh) everywhere but S^T, whose operands keep the rounding split_tf32 (its error is scaled inside exp2).
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"  // KeepBits, is_kept
