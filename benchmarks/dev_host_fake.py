@@ -5,8 +5,8 @@ else is the real code. No GPU, no compiler. Any machine with CuPy installed:
 What is real: the API, the checks and plans of a first call (on an H100's ``DeviceLimits``), the signature
 keys, the pointer packing, and ``cupy.ndarray`` itself (inputs and outputs are CuPy arrays over a fake
 address range, ``cupy.cuda.memory.UnownedMemory``, so ``type(x)``, ``x.data.ptr`` and the outputs' views cost
-what they cost on the GPU machine). What is faked (``FakeDevice``): ``cupy.cuda.alloc`` and ``cupy.empty``
-(a bump allocator over that range), ``cupy.cuda.runtime.getDevice``, ``cupy.cuda.Device``,
+what they cost on the GPU machine). What is faked (``FakeDevice``): ``cupy.cuda.alloc``, ``cupy.empty`` and
+``cupy.zeros`` (a bump allocator over that range, never written), ``cupy.cuda.runtime.getDevice``, ``cupy.cuda.Device``,
 ``cupy.cuda.get_current_stream``, ``cupy.cuda.driver.launchKernel`` (counts launches), ``DeviceLimits.current``
 and the kernel's function handle (``build._function_ptr``), so nothing is compiled. Their own costs are
 printed too (the "fake ..." rows), to subtract; on the GPU machine the real ones cost more (a launch ~5.9 us,
@@ -99,6 +99,7 @@ class FakeDevice:
         stream = _Stream()
         self._set(cupy.cuda, "alloc", self.alloc)
         self._set(cupy, "empty", self.empty)
+        self._set(cupy, "zeros", self.empty)  # the KV-cache's split-KV counters: nothing here reads them
         self._set(cupy.cuda.runtime, "getDevice", lambda: self.device)
         self._set(cupy.cuda, "Device", _Device)
         self._set(cupy.cuda, "get_current_stream", lambda: stream)
@@ -120,7 +121,7 @@ class FakeDevice:
             owner, name, value = self._saved.pop()
             setattr(owner, name, value)
         for cache in (cuda_backend._forward_cache, cuda_backend._backward_cache, varlen_cuda._forward_cache,
-                      varlen_cuda._backward_cache, kvcache._prepared, build._args_launches,
+                      varlen_cuda._backward_cache, kvcache._prepared, kvcache._workspace, build._args_launches,
                       getattr(linear, "_plain_forwards", {})):  # fmt: skip
             cache.clear()
 
@@ -216,6 +217,16 @@ def rows(dev: FakeDevice, calls: int, rounds: int) -> dict[str, tuple[float, flo
     timed["  check_linear"] = lambda: check_linear(q, k, v, causal=True, mask=None, decay=None, scale=1.0)
     lp = check_linear(q, k, v, causal=True, mask=None, decay=None, scale=1.0)
     timed["  kernels.linear.forward (full)"] = lambda: lin.forward(q, k, v, None, None, lp)
+
+    # A decode step (issue 15, the overhead suite's decode row): B=1, Hq=32, Hk=8, a 4096-key cache, D=128.
+    qd = dev.array((1, 32, 1, 128), bf16, 1 << 22)
+    kc, vc = dev.array((1, 8, 4096, 128), bf16, 1 << 23), dev.array((1, 8, 4096, 128), bf16, 1 << 24)
+    kn, vn = dev.array((1, 8, 1, 128), bf16, 1 << 25), dev.array((1, 8, 1, 128), bf16, (1 << 25) + 4096)
+    lens = dev.array((1,), np.int32, 1 << 26)
+    timed["decode (kvcache)"] = lambda: cupyflash.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)
+    timed["decode, append k/v, causal"] = lambda: cupyflash.attention_with_kvcache(qd, kc, vc, kn, vn,
+                                                                                   cache_seqlens=lens, causal=True)
+    timed["decode, int cache_seqlens"] = lambda: cupyflash.attention_with_kvcache(qd, kc, vc, cache_seqlens=100)
 
     timed["fake alloc"] = lambda: cupy.cuda.alloc(1024)
     timed["fake launchKernel"] = lambda: cupy.cuda.driver.launchKernel(1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)

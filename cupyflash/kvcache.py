@@ -136,10 +136,12 @@ def _rows_aligned(x: Any) -> bool:
 ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table", "cache_batch_idx", "alibi",
                "sinks", "rotary_cos", "rotary_sin")  # fmt: skip
 
-#: Pointers written per call into the append and decode launches' DecodeParams (rotary ones only with rotary).
+#: Pointers written per call into the append and decode launches' DecodeParams, in struct order (each of the
+#: PointerWriter's runs is then a slice of the values): CALL_POINTERS, ROTARY_POINTERS with rotary, SPLIT_POINTERS.
 CALL_POINTERS = ("attn.q", "attn.o", "attn.lse", "attn.alibi", "attn.sinks", "k_new", "v_new", "k_cache", "v_cache",
-                 "cache_seqlens", "block_table", "cache_batch_idx", "o_part", "lse_part", "split_count")  # fmt: skip
+                 "cache_seqlens", "block_table", "cache_batch_idx", "o_part", "lse_part")  # fmt: skip
 ROTARY_POINTERS = ("rotary_cos", "rotary_sin", "q_rot")
+SPLIT_POINTERS = ("split_count",)
 
 _workspace: dict[tuple, tuple[Any, Any, Any]] = {}
 
@@ -159,7 +161,7 @@ class _Prepared:
 
         self.p, self.plan, self.record = p, plan, record
         rotary = plan.rotate_q is not None
-        names = CALL_POINTERS + (ROTARY_POINTERS if rotary else ())
+        names = CALL_POINTERS + (ROTARY_POINTERS if rotary else ()) + SPLIT_POINTERS
         self.pointers = decode.PointerWriter(names)
         self.write_const = decode.write_seqlen_const  # an int cache_seqlens, per call
         self.rotate = self.append = None
@@ -210,26 +212,32 @@ _launching = threading.Lock()
 
 
 def _signature(arrays: tuple, scalars: tuple) -> tuple | None:
-    """Everything the checks and the plan read (array kinds, dtypes, shapes, strides, alignment, keyword values,
-    the device), or None for calls that are not all CuPy (not cached). ``arrays`` in ``ARRAY_NAMES`` order,
-    ``scalars`` = (causal, scale, window_size, softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens
-    enters by kind only: its value is range-checked per call, so a decode loop does not grow the cache."""
-    _array_key, _key_of = cuda_backend._array_key, cuda_backend._key_of
-    seqlens = arrays[5]
-    int_len = isinstance(seqlens, (int, np.integer)) and not isinstance(seqlens, (bool, np.bool_))
-    keys: list[Any] = []
+    """Everything the checks and the plan read (dtypes, shapes, strides, alignment, keyword values, the device), or
+    None for calls that are not all CuPy arrays (not cached: NumPy calls, and subclasses of cupy.ndarray, which take
+    the checked path every time). ``arrays`` in ``ARRAY_NAMES`` order, ``scalars`` = (causal, scale, window_size,
+    softcap, rotary_interleaved, num_splits, kernel). An int cache_seqlens enters by kind only: its value is
+    range-checked per call, so a decode loop does not grow the cache. Written out for a decode step's host time:
+    _array_key's fields less the type, which ``type(x) is ndarray`` fixes."""
+    q = arrays[0]
+    if isinstance(q, np.ndarray) or not hasattr(q, "data"):  # before CuPy is imported: NumPy needs none
+        return None
+    cupy = cuda_backend.cupy_module()
+    ndarray, key_of = cupy.ndarray, cuda_backend._key_of
+    keys: list[Any] = [None]  # the device, once every array is known to be CuPy's
+    add = keys.append
     for i, x in enumerate(arrays):
         if x is None:
-            keys.append(None)
-        elif i == 5 and int_len:
-            keys.append("int")
-        elif isinstance(x, np.ndarray) or not hasattr(x, "data"):
-            return None
+            add(None)
+        elif type(x) is ndarray:
+            add((x.dtype, x.shape, x.strides, x.data.ptr % 16 == 0))
+        elif i == 5 and isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+            add("int")
         else:
-            keys.append(_array_key(x))
-    import cupy
-
-    return (cupy.cuda.runtime.getDevice(), *keys, *[_key_of(x) for x in scalars])
+            return None
+    for x in scalars:
+        add(key_of(x))
+    keys[0] = cupy.cuda.runtime.getDevice()
+    return tuple(keys)
 
 
 def _check_seqlen_const(p: KVCacheProblem, s: Any) -> None:
@@ -276,31 +284,30 @@ def _prepare(p: KVCacheProblem, arrays: dict[str, Any], num_splits: int, kernel:
     return _Prepared(p, plan, rec)
 
 
-def _ptr(x: Any) -> int:
-    return 0 if x is None else x.data.ptr
-
-
 def _launch(prep: _Prepared, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any,
             block_table: Any, cache_batch_idx: Any, alibi: Any, sinks: Any, rotary_cos: Any,
             rotary_sin: Any) -> tuple[Any, Any]:  # fmt: skip
     """Allocate o and lse, write this call's pointers (and an int cache_seqlens) into the launches' own buffers,
     queue them. Nothing is converted or rebuilt per call."""
-    import cupy
-
+    cupy = cuda_backend.cupy_module()
     p = prep.p
     o, lse, *rest = cuda_backend._empty_outputs(prep.outputs)
     if o.size == 0:
         return o, lse
     stream = cupy.cuda.get_current_stream().ptr
     o_part, lse_part, split_count = prep.workspace_for(stream)
-    o_ptr, lse_ptr, sinks_ptr = o.data.ptr, lse.data.ptr, _ptr(sinks)
     const = p.seqlen_const is not None
-    values: tuple[int, ...] = (q.data.ptr, o_ptr, lse_ptr, _ptr(alibi), sinks_ptr, _ptr(k), _ptr(v), k_cache.data.ptr,
-                               v_cache.data.ptr, 0 if const else cache_seqlens.data.ptr, _ptr(block_table),
-                               _ptr(cache_batch_idx), o_part, lse_part, split_count)  # fmt: skip
+    # In the PointerWriter's names' order (CALL_POINTERS, ROTARY_POINTERS with rotary, SPLIT_POINTERS).
+    values: tuple[int, ...] = (
+        q.data.ptr, o.data.ptr, lse.data.ptr, 0 if alibi is None else alibi.data.ptr,
+        0 if sinks is None else sinks.data.ptr, 0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr,
+        k_cache.data.ptr, v_cache.data.ptr, 0 if const else cache_seqlens.data.ptr,
+        0 if block_table is None else block_table.data.ptr, 0 if cache_batch_idx is None else cache_batch_idx.data.ptr,
+        o_part, lse_part)  # fmt: skip
     q_rot = rest[0] if rest else None
     if q_rot is not None:
         values += (rotary_cos.data.ptr, rotary_sin.data.ptr, q_rot.data.ptr)
+    values += (split_count,)
     with _launching:
         if q_rot is not None:  # rotate_q reads q as given; append and decode read the rotated dense copy
             prep.pointers.write(prep.rotate.buffer, values)

