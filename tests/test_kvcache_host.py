@@ -26,7 +26,7 @@ B, HQ, HK, D, CAP = 2, 8, 2, 64, 256
 
 
 @pytest.fixture
-def dev(monkeypatch):
+def dev():
     kvcache._prepared.clear()
     kvcache._workspace.clear()
     with Device(decode.DECODE_PARAMS.itemsize) as d:
