@@ -68,6 +68,9 @@ struct AttentionParams {
   // Block masks' tile states (issue 17 speed, flex_policy.cuh's FlexMask): uint8 (bm_bb, bm_hb, bm_nqb, bm_nkb),
   // 0 empty, 1 partial, 2 full; tiles of full blocks skip mask_mod.
   const unsigned char* bm_state;
+  // Query parts (float32 backward, plans.mma.query_parts): f32 partial dK_j/dV_j of each part, q_parts x
+  // {dK, dV} slabs of B * Hk * Nk rows of d floats, summed in part order by mma_bwd_kv_combine; nullptr: none.
+  float* kv_part;
 
   Strides q_s, k_s, v_s, o_s, lse_s, dout_s, dq_s, dk_s, dv_s;
 
@@ -118,6 +121,9 @@ struct AttentionParams {
   // dbias summed over the batch (issue 17 speed): 1 puts the batches of one kv head next to each other in the
   // backward's grid order, so the B adds into each dbias element meet in L2 (dq_turns.cuh, batch_inner_bh).
   int batch_inner;
+  // Query parts (float32 backward): how many blocks split each key tile's query tiles (blockIdx.z is the part);
+  // 0 or 1 = none.
+  int q_parts;
 };
 
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest

@@ -4,7 +4,8 @@
 //   mma_flash_bwd:      one block per K_j/V_j tile of one (batch, kv head), looping over the group's
 //                       query heads and their Q_i tiles; dK_j, dV_j stay in f32 registers, dQ goes
 //                       out through f32 atomics (mma_flash_bwd2d: the same with a 2-D warp layout);
-//   mma_bwd_dq_convert: dQ = scale * accumulator, in the output dtype and strides.
+//   mma_bwd_dq_convert: dQ = scale * accumulator, in the output dtype and strides;
+//   mma_bwd_kv_combine: float32 with query parts only (mma_bwd_tf32.cuh): dK, dV = the parts' partials summed.
 //
 // Main kernel, per (Q_i, K_j) pair, with the key-major products so P^T and dS^T are A fragments:
 //   S^T  = K_j Q_i^T          P^T = exp2(S^T * scale*log2e - lse*log2e)
@@ -94,5 +95,39 @@ __global__ void __launch_bounds__(256) mma_bwd_dq_convert(const __grid_constant_
     const float4 x = *reinterpret_cast<const float4*>(acc + c);
     store2<T>(out + c, x.x * p.scale, x.y * p.scale);
     store2<T>(out + c + 2, x.z * p.scale, x.w * p.scale);
+  }
+}
+
+// dK and dV of a float32 backward with query parts (mma_bwd_tf32.cuh's query_part): each key row's partials summed
+// in part order (the same bits whatever order the main kernel's blocks ran in), written in T with dk's and dv's
+// strides. kLanes lanes per (b, kv head, key) row, four floats (one 16-byte load) a lane and slab.
+template <typename T, int kLanes>
+__global__ void __launch_bounds__(256) mma_bwd_kv_combine(const __grid_constant__ AttentionParams p) {
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32, "a power-of-two share of a warp");
+  const long long rows = static_cast<long long>(p.batch) * p.hk * p.nk;
+  const long long r = static_cast<long long>(blockIdx.x) * (256 / kLanes) + threadIdx.x / kLanes;
+  if (r >= rows) return;
+  const int sub = threadIdx.x % kLanes;
+  const int key = static_cast<int>(r % p.nk);
+  const long long bh = r / p.nk;
+  const int h = static_cast<int>(bh % p.hk);
+  const long long b = bh / p.hk;
+  T* dk = static_cast<T*>(p.dk) + b * p.dk_s.b + h * p.dk_s.h + key * p.dk_s.n;
+  T* dv = static_cast<T*>(p.dv) + b * p.dv_s.b + h * p.dv_s.h + key * p.dv_s.n;
+  const long long slab = rows * p.d;
+  const float* src = p.kv_part + r * p.d;
+  for (int c = sub * 4; c < p.d; c += kLanes * 4) {  // d % 8 == 0: whole float4s
+    float4 k = *reinterpret_cast<const float4*>(src + c);
+    float4 v = *reinterpret_cast<const float4*>(src + slab + c);
+    for (int part = 1; part < p.q_parts; ++part) {
+      const float4 kp = *reinterpret_cast<const float4*>(src + 2 * part * slab + c);
+      const float4 vp = *reinterpret_cast<const float4*>(src + (2 * part + 1) * slab + c);
+      k = make_float4(k.x + kp.x, k.y + kp.y, k.z + kp.z, k.w + kp.w);
+      v = make_float4(v.x + vp.x, v.y + vp.y, v.z + vp.z, v.w + vp.w);
+    }
+    store2<T>(dk + c, k.x, k.y);
+    store2<T>(dk + c + 2, k.z, k.w);
+    store2<T>(dv + c, v.x, v.y);
+    store2<T>(dv + c + 2, v.z, v.w);
   }
 }

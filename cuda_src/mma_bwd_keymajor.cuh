@@ -78,8 +78,10 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
   const int kw = warp % kKeyWarps;
   const int dw = warp / kKeyWarps;
 
-  // Query tiles that see any key of K_j (under causal, not those wholly above the diagonal).
-  const Range mt = tiles_covering(Policy(p, seq).mask.queries_of(j0, j0 + Bc), Br);
+  // Query tiles that see any key of K_j (under causal, not those wholly above the diagonal); float32: those of
+  // this block's query part (mma_bwd_tf32.cuh).
+  Range mt = tiles_covering(Policy(p, seq).mask.queries_of(j0, j0 + Bc), Br);
+  if constexpr (kF32) mt = query_part<Br>(p, mt, seq.nq);
   const int m_start = mt.begin;
   const int per_head = mt.end - mt.begin;
   const int total = group * per_head;
@@ -374,6 +376,12 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     for (int n = 0; n < kDS / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dv[n][e] *= p.dropout_scale;
+    }
+  }
+  if constexpr (kF32) {
+    if (p.kv_part != nullptr) {  // a query part: its partial sums, added up by mma_bwd_kv_combine
+      store_kv_part(p, b, hkv, key_w, dw * kDS, acc_dk, acc_dv);
+      return;
     }
   }
   store_dk_dv<T>(p, b, hkv, key_w, dw * kDS, acc_dk, acc_dv);

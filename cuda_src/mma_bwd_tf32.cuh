@@ -142,5 +142,49 @@ __device__ __forceinline__ void store_ds_f32(unsigned char* tile, const float (&
   *reinterpret_cast<float2*>(tile + F::byte_of(key_row + 8, col)) = make_float2(c[2], c[3]);
 }
 
+// Query parts. The tensor cores add into their f32 accumulators with truncation, so dK_j/dV_j drift with the
+// number of query rows a block sums (group x Nq: 3.0e-5 relative at 4096 rows, 5.9e-5 at 8192, 1.16e-4 at 16384;
+// benchmarks/NOTES.md, s20). Past plans.mma.MAX_ROWS_F32 rows the plan splits each key tile's query tiles over
+// p.q_parts blocks (blockIdx.z: the part; the same query tiles per part for every key tile, so each query tile's
+// dQ adds come from blocks of one part, which keeps the deterministic turns' order argument within a part). Each
+// part writes its partial sums to p.kv_part and mma_bwd_kv_combine adds them in part order: the same bits
+// whatever order the blocks ran in.
+
+// The query tiles [mt.begin, mt.end) of this block's part: its share of the nq / Br tiles (the plans' formula).
+template <int Br>
+__device__ __forceinline__ Range query_part(const AttentionParams& p, Range mt, int nq) {
+  if (p.q_parts <= 1) return mt;
+  const int per = ((nq + Br - 1) / Br + p.q_parts - 1) / p.q_parts;
+  const int lo = static_cast<int>(blockIdx.z) * per;
+  const int begin = max(mt.begin, lo);
+  return {begin, max(begin, min(mt.end, lo + per))};
+}
+
+// A part's dV_j and scale * dK_j (as store_dk_dv would store them), f32, into its slabs of p.kv_part: row
+// (b * Hk + hkv) * Nk + key of d floats; keys past nk are not written (the combine reads only keys < nk).
+template <int NT>
+__device__ __forceinline__ void store_kv_part(const AttentionParams& p, int b, int hkv, int key0, int col0,
+                                              const float (&acc_dk)[NT][4], const float (&acc_dv)[NT][4]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const long long slab = static_cast<long long>(p.batch) * p.hk * p.nk * p.d;
+  float* dk = p.kv_part + 2 * blockIdx.z * slab + (static_cast<long long>(b) * p.hk + hkv) * p.nk * p.d;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int key = key0 + (lane >> 2) + hf * 8;
+    if (key < p.nk) {
+      float* dk_row = dk + static_cast<long long>(key) * p.d;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int col = col0 + n * 8 + (lane & 3) * 2;
+        if (col < p.d) {
+          *reinterpret_cast<float2*>(dk_row + col) =
+              make_float2(acc_dk[n][2 * hf] * p.scale, acc_dk[n][2 * hf + 1] * p.scale);
+          *reinterpret_cast<float2*>(dk_row + slab + col) = make_float2(acc_dv[n][2 * hf], acc_dv[n][2 * hf + 1]);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace mma
 }  // namespace cupyflash

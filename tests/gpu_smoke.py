@@ -20,7 +20,7 @@ from cupyflash import _dtypes
 def main() -> int:
     rng = np.random.default_rng(0)
     bad = 0
-    # float32 runs on the mma family too (3xTF32, plans.mma.MAX_NQ_F32).
+    # float32 runs on the mma family too (3xTF32, plans.mma.MAX_ROWS_F32).
     cases = [("portable", dt) for dt in _dtypes.SUPPORTED] + [("mma", dt) for dt in _dtypes.SUPPORTED]
     if cupy.cuda.Device().compute_capability == "90":
         cases += [("wgmma", _dtypes.FLOAT16), ("wgmma", _dtypes.BFLOAT16)]
@@ -54,6 +54,18 @@ def main() -> int:
                 print(f"{kernel:8s} {str(dtype):8s} hq={hq} hk={hk} nq={nq} nk={nk} d={d} causal={causal} {label}: "
                       f"{'ok' if finite else 'NON-FINITE'}")
                 bad += not finite
+    # float32 query parts on the mma family (plans.mma.query_parts): group 4 x 1100 query rows a kv head, 2 parts, their
+    # partial dK/dV in scratch and the combine launch; with a full bias and its gradient too.
+    q, do = (cupy.asarray(rng.standard_normal((1, 4, 1100, 64)).astype(np.float32)) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((1, 1, 200, 64)).astype(np.float32)) for _ in range(2))
+    full_bias = cupy.asarray(rng.standard_normal((1, 4, 1100, 200)).astype(np.float32))
+    for label, kw in (("plain", {}), ("bias", dict(bias=full_bias))):
+        o, lse = cupyflash.attention_forward(q, k, v, causal=True, kernel="mma", **kw)
+        bkw = dict(kw, bias_grad=True) if kw else kw
+        grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=True, kernel="mma", **bkw)
+        finite = all(bool(cupy.isfinite(x).all()) for x in (o, *grads))
+        print(f"mma      float32  query parts {label}: {'ok' if finite else 'NON-FINITE'}")
+        bad += not finite
     try:
         from cupyflash import linear_attention_backward, linear_attention_forward
     except ImportError:

@@ -9,7 +9,8 @@ tables (32, 64, 96, 128) and multiples of 8 below them (40, 72, 120; D = 59 is r
 N = 1 .. 1000 (one key tile: the kernel that owns dQ; more: the three launches), Nq != Nk both ways, causal, GQA/MQA,
 scale 10, window + softcap + ALiBi + sinks, a float32 bias with bias_grad (broadcast over the batch: atomics; full
 shape with a mask: stored), dropout (the forward's seed), deterministic=True (bitwise identical runs), varlen packs,
-and two fallback tiles (99 KB parts) forced on this GPU. The cases share instantiations (about 13 main kernels,
+two fallback tiles (99 KB parts) forced on this GPU, and query parts (past 4096 query rows a kv head: Nq up to 8192,
+GQA 4 x 4096, an empty part, with deterministic, bias_grad, dropout). The cases share instantiations (about 13 main kernels,
 most of the file's time is their NVRTC compiles).
 """
 from __future__ import annotations
@@ -280,3 +281,64 @@ def test_supports_float32_up_to_d128():
         assert (why is None) == ok, (d, why)
         if not ok:
             assert "D <= 128" in why
+
+
+# ---------------------------------------------------------------------------- query parts (plans.mma.query_parts)
+
+# (id, (B, Hq, Hk, Nq, Nk), D, causal, parts): past MAX_ROWS_F32 query rows a kv head (group x Nq) the key tiles'
+# query tiles are split over blocks whose partial dK/dV a combine launch sums. 2 parts (MHA), 4 (GQA 4 x 4096, D = 128:
+# Br = 32), 3 with the first part empty for every key tile (causal with Nq > Nk: its blocks write zero partials), and
+# one key tile (where one part would take the kernel that owns dQ; parts take the three launches). Nk is small where
+# it may be: the drift is over the queries a block sums.
+PARTS = [
+    ("mha-8192", (1, 2, 2, 8192, 200), 64, False, 2),
+    ("gqa4-4096-d128", (1, 4, 1, 4096, 300), 128, False, 4),
+    ("gqa4-causal-nq>nk", (2, 4, 1, 2500, 777), 64, True, 3),
+    ("one-key-tile", (1, 2, 2, 6000, 100), 64, False, 2),
+]  # fmt: skip
+
+
+def _parts_of(hq, hk, nq, d):
+    from cupyflash.plans import mma as plans
+
+    return plans.query_parts(hq // hk, nq, plans.BACKWARD_CONFIGS_F32[d].br)
+
+
+@pytest.mark.parametrize("shape, d, causal, parts", [pytest.param(*c[1:], id=c[0]) for c in PARTS])
+def test_query_parts(shape, d, causal, parts, rng):
+    b, hq, hk, nq, nk = shape
+    assert _parts_of(hq, hk, nq, d) == parts  # the case reaches the parts it is named for
+    q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
+    got, ref = backward_poisoned(q, k, v, do, causal)
+    _check_grads(got, ref)
+
+
+def test_query_parts_deterministic(rng):
+    """4 parts with deterministic=True: the parts' dQ adds take their turns within a part, and the combine sums the
+    partials in part order, so runs are bitwise identical."""
+    b, hq, hk, nq, nk, d = 1, 4, 1, 4096, 520, 64
+    assert _parts_of(hq, hk, nq, d) == 4
+    q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
+    first = None
+    for _ in range(REPEATS):
+        got, ref = backward_poisoned(q, k, v, do, True, deterministic=True)
+        got = [x.get() for x in got]
+        if first is None:
+            first = got
+            _check_grads(got, ref)
+            continue
+        for name, a, g in zip(GRADS, first, got):
+            assert np.array_equal(a.view(np.uint8), g.view(np.uint8)), f"{name} differs between runs"
+
+
+def test_query_parts_with_bias_grad_and_dropout(rng):
+    """Parts through the API with a float32 bias and its gradient (dS per step, unchanged by the split) and dropout
+    (dV's partials scaled by 1 / (1 - p) before the combine)."""
+    b, hq, hk, nq, nk, d = 1, 2, 1, 4200, 300, 64
+    assert _parts_of(hq, hk, nq, d) == 3
+    q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
+    kw = dict(bias=rng.standard_normal((1, hq, nq, nk)).astype(F32), bias_grad=True)
+    got, ref = backward_api(q, k, v, do, False, **kw)
+    _check_grads(got, ref, names=("dq", "dk", "dv", "dbias"))
+    got, ref = backward_api(q, k, v, do, False, dropout_p=0.1, dropout_seed=int(rng.integers(0, 2**62)))
+    _check_grads(got, ref)

@@ -142,8 +142,13 @@ def test_supports():
     assert family.supports(problem(dtype=_dtypes.FLOAT32), H100) is None  # 3xTF32
     assert family.supports(problem(dtype=_dtypes.FLOAT32, d=128), RTX4090) is None  # fallback tiles on 99 KB
     assert "float32 on tensor cores needs D <= 128" in family.supports(problem(dtype=_dtypes.FLOAT32, d=136), H100)
-    assert "Nq <= 4096" in family.supports(problem(dtype=_dtypes.FLOAT32, nq=plans.MAX_NQ_F32 + 1), H100)
-    assert family.supports(problem(dtype=_dtypes.FLOAT32, nq=plans.MAX_NQ_F32), H100) is None
+    # float32: (Hq / Hk) x Nq query rows a kv head, over at most MAX_Q_PARTS parts of MAX_ROWS_F32 (query_parts)
+    most = plans.MAX_Q_PARTS * plans.MAX_ROWS_F32
+    assert family.supports(problem(dtype=_dtypes.FLOAT32, hq=1, hk=1, nq=most), H100) is None
+    assert family.supports(problem(dtype=_dtypes.FLOAT32, hq=8, hk=2, nq=most // 4), H100) is None
+    assert f"(Hq / Hk) x Nq <= {most} (got 4 x {most // 4 + 1})" in family.supports(
+        problem(dtype=_dtypes.FLOAT32, hq=8, hk=2, nq=most // 4 + 1), H100)
+    assert family.supports(problem(dtype=_dtypes.FLOAT16, hq=8, hk=1, nq=10 * most), H100) is None  # 16-bit: exact
     assert family.supports(problem(dtype=np.float64), H100) is not None
     assert family.supports(problem(), T4) is not None
     assert family.supports(problem(d=41), H100) is not None  # rows of D % 8 != 0 elements: portable family
@@ -255,8 +260,9 @@ def test_instantiations_cover_every_config_once():
     f32_fwd = plans.forward_configs_f32()
     f32 = len(plans.backward_configs_f32())
     # dtypes x (main kernels x policies + 3 Deltas, 2 converts), float32's forwards x policies, and its backward the
-    # same way as a 16-bit dtype
-    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + (len(f32_fwd) + f32) * len(BUILTIN) + 5
+    # same way as a 16-bit dtype, with 2 combines of query parts
+    assert len(inst) == 2 * (mains * len(BUILTIN) + 5) + (len(f32_fwd) + f32) * len(BUILTIN) + 5 + 2
+    assert {(plans.BACKWARD_SOURCE, f"mma_bwd_kv_combine<float, {n}>") for n in (16, 32)} <= set(inst)
     for v in BUILTIN:
         for cfg in f32_fwd:
             assert (plans.FORWARD_SOURCE, cfg.name("float", v.cpp_policy)) in inst
@@ -323,6 +329,45 @@ def test_plan_backward_float32():
     assert own.own_dq and own.main.name == plans.BACKWARD_CONFIGS_F32[64].name("float", POL, own_dq=True)
     with pytest.raises(ValueError, match="no mma backward configuration"):
         plans.plan_backward(1, 1, 1, 10, 10, 192, "float", H100)
+
+
+@pytest.mark.parametrize("group, nq, br, want", [
+    (1, 4096, 64, 1), (1, 4097, 64, 2), (1, 8192, 64, 2), (1, 8193, 64, 3), (1, 16384, 64, 4), (1, 16385, 64, None),
+    (4, 1024, 64, 1), (4, 4096, 64, 4), (8, 2048, 32, 4), (8, 2049, 32, None), (64, 64, 64, 1), (65, 64, 64, None),
+])  # fmt: skip
+def test_query_parts(group, nq, br, want):
+    """The fewest parts whose blocks each sum at most MAX_ROWS_F32 rows (group x the part's query tiles x Br)."""
+    assert plans.query_parts(group, nq, br) == want
+    if want is not None:
+        per = cdiv(cdiv(nq, br), want)  # the kernel's tiles a part (mma_bwd_tf32.cuh query_part)
+        assert group * per * br <= plans.MAX_ROWS_F32 and cdiv(cdiv(nq, br), per) <= want
+        assert want == 1 or group * cdiv(cdiv(nq, br), want - 1) * br > plans.MAX_ROWS_F32
+    assert plans.query_parts(group, nq, br, varlen=True) == (1 if want == 1 else None)
+
+
+def test_plan_backward_float32_query_parts():
+    """Past MAX_ROWS_F32 rows a kv head the float32 main grid gets a z axis of parts, and a combine launch sums the
+    parts' dK/dV over every (b, kv head, key) row; 16-bit plans and short float32 ones have neither."""
+    cfg = plans.BACKWARD_CONFIGS_F32[64]
+    plan = plans.plan_backward(2, 8, 2, 4096, 3000, 64, "float", H100)  # group 4 x 4096 rows: 4 parts
+    assert plan.q_parts == 4 and plan.main.grid == (cdiv(3000, cfg.bc), 2 * 2, 4)
+    assert plan.combine.name == "mma_bwd_kv_combine<float, 16>" and plan.combine.block == (256, 1, 1)
+    assert plan.combine.grid == (cdiv(2 * 2 * 3000, 256 // 16), 1, 1)
+    assert plan.launches == (plan.delta, plan.main, plan.convert, plan.combine)
+    # One key tile would own dQ (dq_own.cuh), but that block visits every query row: with parts it does not
+    one = plans.plan_backward(1, 1, 1, 8192, 100, 128, "float", H100)
+    assert not one.own_dq and one.q_parts == 2 and one.main.name == one.config.name("float", POL)  # (small grid)
+    assert one.launches == (one.delta, one.main, one.convert, one.combine)
+    assert one.combine.name == "mma_bwd_kv_combine<float, 32>"
+    assert plans.plan_backward(1, 1, 1, 4096, 100, 128, "float", H100).own_dq  # one part: owns dQ as before
+    for short in (plans.plan_backward(2, 8, 2, 1024, 3000, 64, "float", H100),
+                  plans.plan_backward(2, 8, 1, 65536, 3000, 64, "__half", H100)):  # fmt: skip
+        assert short.q_parts == 1 and short.combine is None and short.main.grid[2] == 1
+        assert short.launches == (short.delta, short.main, short.convert)
+    with pytest.raises(ValueError, match="past 4 parts"):
+        plans.plan_backward(1, 8, 1, 4096, 100, 64, "float", H100)
+    with pytest.raises(ValueError, match="past 4 parts"):  # varlen packs take one part
+        plans.plan_backward(3, 2, 2, 4100, 4100, 64, "float", H100, total=9000)
 
 
 @pytest.mark.parametrize("d", [64, 128])

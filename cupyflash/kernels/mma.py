@@ -32,9 +32,11 @@ def supports(p: AttentionProblem, limits: DeviceLimits) -> str | None:
         return f"needs a head dim that is a multiple of 8 (got D={p.d})"
     if f32 and p.d > plans.MAX_D_F32:
         return f"float32 on tensor cores needs D <= {plans.MAX_D_F32} (got D={p.d})"
-    if f32 and p.nq > plans.MAX_NQ_F32:
-        return (f"float32 on tensor cores needs Nq <= {plans.MAX_NQ_F32} (got Nq={p.nq}): past it the backward's "
-                "dK/dV sums drift toward the 1e-4 bound")
+    bwd = plans.backward_config(p.d, limits, 4) if f32 else None
+    if bwd is not None and plans.query_parts(p.group, p.nq, bwd.br, p.varlen) is None:
+        most = plans.MAX_ROWS_F32 * (1 if p.varlen else plans.MAX_Q_PARTS)
+        return (f"float32 on tensor cores needs (Hq / Hk) x Nq <= {most}{' for varlen packs' if p.varlen else ''} "
+                f"(got {p.group} x {p.nq}): past it the backward's dK/dV sums drift toward the 1e-4 bound")
     if f32 and p.variant.flex is not None:  # NVRTC 13.5: D = 64 with a block mask and a score_mod spilled 328 B
         return "runs mask_mod/score_mod snippets in float16/bfloat16 only (the float32 forward at 255 registers spills)"
     elem = plans.ELEM_OF[ctype(p)]

@@ -27,6 +27,7 @@ POINTERS: tuple[str, ...] = (
     "aux0", "aux1", "aux2", "aux3", "aux4", "aux5", "aux6", "aux7",  # user snippets' aux arrays (issue 17)
     "bm_kv", "bm_q",  # block masks (issue 17)
     "bm_state",  # block masks' tile states (issue 17 speed: full tiles skip mask_mod)
+    "kv_part",  # float32 backward's query parts: partial dK/dV (plans.mma.query_parts)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
 STRIDE4_FIELDS: tuple[str, ...] = ("mask_s", "bias_s", "dbias_s")
@@ -80,6 +81,8 @@ PARAMS = np.dtype(
         ("dq_head_group", "<i4"),
         # dbias summed over the batch (issue 17 speed): the backward's grid runs one kv head's batches together
         ("batch_inner", "<i4"),
+        # float32 backward's query parts (plans.mma.query_parts): blocks a key tile's query tiles are split over
+        ("q_parts", "<i4"),
     ],
     align=True,
 )

@@ -30,13 +30,16 @@ def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, determin
     ``plans.dq_head_group`` (``sm_count``: the device's)."""
     if p.varlen:  # the per-row launches and scratch cover the packed (Hq, total_q) rows
         plan = with_rows(plan, scratch_rows(p, g))
+    # float32 query parts (plans.mma.query_parts): each part's partial dK/dV, summed by the combine launch
+    parts = [Scratch("kv_part", 2 * plan.q_parts * g.batch * p.hk * p.nk * p.d)] if plan.q_parts > 1 else []
     if plan.own_dq:  # one key tile per kv head: the main kernel does Delta and dQ (one launch; deterministic)
-        return call_plan([plan.main], base_params(p, g, plan.heads_on_x), [Scratch("delta", plan.rows)])
-    scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d)]  # zeroed by the Delta kernel
+        return call_plan(plan.launches, base_params(p, g, plan.heads_on_x, q_parts=plan.q_parts),
+                         [Scratch("delta", plan.rows), *parts])  # fmt: skip
+    scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d), *parts]  # dq_accum: Delta zeroes it
     if deterministic:
         scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))
     extra = {}
     if deterministic:
         heads = plan.main.grid[0] if plan.heads_on_x else plan.main.grid[1]
         extra["dq_head_group"] = dq_head_group(heads, sm_count, p.variant.longest_first, plan.heads_on_x)
-    return call_plan([plan.delta, plan.main, plan.convert], base_params(p, g, plan.heads_on_x, **extra), scratch)
+    return call_plan(plan.launches, base_params(p, g, plan.heads_on_x, q_parts=plan.q_parts, **extra), scratch)

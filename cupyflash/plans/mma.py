@@ -11,7 +11,7 @@ from typing import Any
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
 from .tensorcore import (CONVERT_LANES, DELTA_LANES, DELTA_LANES_F32, MAX_GRID_Y, BackwardPlan, ForwardPlan,
-                         backward_plan_around, owns_dq, staged_policy)
+                         backward_plan_around, owns_dq, staged_policy, with_query_parts)
 
 FORWARD_SOURCE = "mma_forward.cu"
 BACKWARD_SOURCE = "mma_backward.cu"
@@ -240,13 +240,30 @@ def _small_grid_config(table: AnyBackwardConfig | ForwardConfig, small: dict, bl
     return alt if small_grid(blocks, variant.longest_first, limits.sm_count) else table
 
 
-#: The most query rows a float32 call takes (kernels.mma.supports; longer ones run on the portable family). The
-#: tensor cores add into their accumulator with truncation, a bias that grows with the length of a sum: the forward
-#: sums P V a key tile at a time (exact at any N), but the backward's dK_j/dV_j sum over every query in registers:
-#: measured 8e-6..1.1e-5 relative at Nq = 1024 and 3.0e-5..4.5e-5 at 4096 (H100, dev_mma_f32_bwd.py), linear in Nq,
-#: against the 1e-4 bound. Flushing them to dk/dv every 1024 queries would lift it but spills 160-320 B at D = 128
-#: (benchmarks/NOTES.md).
-MAX_NQ_F32 = 4096
+#: The most query rows one block of the float32 backward sums into its dK_j/dV_j (group x Nq, or a query part's
+#: share of them). The tensor cores add into their accumulators with truncation, a bias that grows with the length of
+#: a sum: the forward sums P V a key tile at a time (exact at any N), but the backward's dK_j/dV_j sum over every
+#: query of the block in registers: measured 3.0e-5 relative at 4096 rows, 5.9e-5 at 8192 (8.8e-5 causal) and
+#: 1.16e-4 at 16384 (GQA, group 4 x 4096), against the 1e-4 bound (H100, benchmarks/dev_f32_long.py). Flushing them
+#: to dk/dv every 1024 queries spilled 160-320 B at D = 128 (benchmarks/NOTES.md); past this many rows the plan
+#: splits the query tiles over blocks instead (query_parts).
+MAX_ROWS_F32 = 4096
+
+#: The most query parts a float32 backward takes (so group x Nq <= MAX_Q_PARTS x MAX_ROWS_F32 on tensor cores, the
+#: rest on the portable family): each part costs a float32 copy of dk and dv in scratch.
+MAX_Q_PARTS = 4
+
+
+def query_parts(group: int, nq: int, br: int, varlen: bool = False) -> int | None:
+    """How many blocks split each key tile's query tiles (the float32 backward's grid z; cuda_src/mma_bwd_tf32.cuh
+    query_part: part z takes tiles [z per, (z + 1) per), per = cdiv(cdiv(nq, br), parts)) so that no block sums more
+    than MAX_ROWS_F32 rows of its group's queries; None past MAX_Q_PARTS (or past one part for varlen packs, whose
+    partial sums the kernels do not split)."""
+    tiles = cdiv(nq, br)
+    for parts in range(1, 2 if varlen else MAX_Q_PARTS + 1):
+        if group * cdiv(tiles, parts) * br <= MAX_ROWS_F32:
+            return parts
+    return None
 
 #: The largest head dim the float32 forward takes (FORWARD_CONFIGS_F32).
 MAX_D_F32 = max(FORWARD_CONFIGS_F32)
@@ -390,8 +407,11 @@ def plan_backward(
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no mma backward configuration for D={d} ({ctype}) within {limits.max_shared_per_block} B "
                          "of smem")
+    f32 = getattr(cfg, "elem", _ELEM) == 4
     heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
-    own = owns_dq(tiles, total)
+    # A block that owns dQ visits every query row of its kv head, so query parts rule it out (dq_own.cuh's
+    # own_rows writes Delta, dsinks and dQ = 0 for all of them).
+    own = owns_dq(tiles, total) and (not f32 or query_parts(hq // hk, nq, cfg.br, total is not None) == 1)
     if config is None and not own:  # half tiles only add key tiles, so the kernel still does not own dQ
         cfg = _small_grid_config(cfg, SMALL_GRID_BACKWARD_F32, heads * tiles, variant, limits)
         heads, tiles = grid_axes(batch, hk, nk, cfg.bc, total)
@@ -400,7 +420,14 @@ def plan_backward(
     policy, smem = _policy_and_smem(cfg, variant, limits)
     main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own), grid, (cfg.threads, 1, 1), smem,
                       max_carveout=True)
-    return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
+    plan = backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
+    if not f32:
+        return plan
+    parts = query_parts(hq // hk, nq, cfg.br, total is not None)
+    if parts is None:
+        raise ValueError(f"float32 backward: {hq // hk} x {nq} query rows a kv head are past {MAX_Q_PARTS} parts of "
+                         f"{MAX_ROWS_F32}")
+    return with_query_parts(plan, parts, batch * hk * nk, ctype)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN,
@@ -446,4 +473,5 @@ def backward_instantiations_f32(variants: tuple[Variant, ...] = BUILTIN) -> list
         out += [(BACKWARD_SOURCE, c.name("float", pol)) for c in backward_configs_f32()]
     out += [(BACKWARD_SOURCE, f"mma_bwd_delta<float, {lanes}>") for lanes in DELTA_LANES_F32]
     out += [(BACKWARD_SOURCE, f"mma_bwd_dq_convert<float, {lanes}>") for lanes in CONVERT_LANES]
+    out += [(BACKWARD_SOURCE, f"mma_bwd_kv_combine<float, {lanes}>") for lanes in CONVERT_LANES]
     return out

@@ -51,6 +51,14 @@ class BackwardPlan:
     own_dq: bool = False  # main is the kOwnDQ kernel: Delta and dQ itself, delta and convert are not launched
     delta_lanes: int = 8  # the Delta kernel's lanes per row (delta_lanes)
     convert_lanes: int = 16  # the dQ conversion's (convert_lanes)
+    q_parts: int = 1  # float32: main.grid's z, blocks a key tile's query tiles are split over (plans.mma.query_parts)
+    combine: LaunchPlan | None = None  # q_parts > 1: the parts' dK/dV partials summed into dk, dv
+
+    @property
+    def launches(self) -> tuple[LaunchPlan, ...]:
+        """The launches in order: Delta, main, dQ conversion (own_dq: main alone), then the parts' combine."""
+        out = (self.main,) if self.own_dq else (self.delta, self.main, self.convert)
+        return out if self.combine is None else (*out, self.combine)
 
 
 def owns_dq(key_tiles: int, total: int | None) -> bool:
@@ -99,6 +107,20 @@ def backward_plan_around(
         delta_lanes=lanes,
         convert_lanes=clanes,
     )
+
+
+def with_query_parts(plan: BackwardPlan, parts: int, kv_rows: int, ctype: str) -> BackwardPlan:
+    """The plan with its main grid's z = ``parts`` and, past one part, the combine launch over ``kv_rows`` rows
+    (B * Hk * Nk) of dK/dV, ``convert_lanes`` lanes a row (four floats each, as the dQ conversion)."""
+    if parts == 1:
+        return plan
+    if plan.own_dq:
+        raise ValueError("a backward whose main kernel owns dQ visits every query row: it takes no query parts")
+    main = replace(plan.main, grid=(*plan.main.grid[:2], parts))
+    lanes = plan.convert_lanes
+    combine = LaunchPlan(HELPER_SOURCE, f"mma_bwd_kv_combine<{ctype}, {lanes}>", _aux_grid(kv_rows, lanes),
+                         (AUX_THREADS, 1, 1), 0)  # fmt: skip
+    return replace(plan, main=main, q_parts=parts, combine=combine)
 
 
 def _aux_grid(rows: int, lanes: int) -> tuple[int, int, int]:
