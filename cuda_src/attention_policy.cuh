@@ -136,19 +136,25 @@ __device__ __forceinline__ float distance_of(int q, int offset, int k) {
 // and pay the tanh (and the backward's log2) on ALiBi-only calls too, so the tensor-core strips test softcapped()
 // once per strip and call the kCap forms, the forwards' strips sloped() too (the kSlope forms: no ALiBi distance,
 // 4 instructions a score, on softcap-only calls; mma_softmax.cuh); log2_score/ds_factor test per element.
-struct ModScore {
+// kMayCap = false (AlibiScore): ALiBi alone, no softcap, known at compile time (the plans pick it for calls with
+// slopes and softcap 0): softcapped() is the constant false, so its kernels hold no softcap code, and its key-major
+// strips under a one-sided mask (the backwards') take ALiBi's distance without the abs (alibi_strip_one_sided_keys).
+// The two share a type only in name: separate instantiations, so neither kernel's schedule moves the other's.
+template <bool kMayCap>
+struct ModScoreOf {
   static constexpr bool kIdentity = false;
   static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
+  static constexpr bool kAlibiOnly = !kMayCap;
   // The kernel's __grid_constant__ params: the softcap's scalars are read from the constant bank where they
   // are used (copies would cost registers in kernels at their limit), as ArrayScore does.
   const AttentionParams* P;
   int offset;
   float slope_log2 = 0.f;  // -slope_h * log2(e), or 0 without ALiBi
-  __device__ ModScore(const AttentionParams& p, int nq, int nk) : P(&p), offset(nk - nq) {}
+  __device__ ModScoreOf(const AttentionParams& p, int nq, int nk) : P(&p), offset(nk - nq) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
     slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
-  __device__ __forceinline__ bool softcapped() const { return P->softcap_log2 > 0.f; }
+  __device__ __forceinline__ bool softcapped() const { return kMayCap && P->softcap_log2 > 0.f; }
   // Does this head add an ALiBi term? (A zero slope adds exactly nothing, so its heads may skip the distances.)
   __device__ __forceinline__ bool sloped() const { return slope_log2 != 0.f; }
   // kCap / kSlope: the softcap / ALiBi term, known present (the tensor-core strips' uniform tests) or absent.
@@ -180,8 +186,13 @@ struct ModScore {
   }
 };
 
+using ModScore = ModScoreOf<true>;     // softcap and/or ALiBi, decided at run time
+using AlibiScore = ModScoreOf<false>;  // ALiBi alone
+
 // Does a score type split its softcap out at compile time (ModScore's kCap forms)?
 CUPYFLASH_POLICY_FLAG(SplitsSoftcap, kSplitsSoftcap);
+// Is a score type ALiBi alone (AlibiScore)?
+CUPYFLASH_POLICY_FLAG(AlibiOnly, kAlibiOnly);
 // Does a mask hide every key past a query's diagonal (k > q + nk - nq)? Then ALiBi's |q + nk - nq - k| of a visible
 // pair is q + nk - nq - k (the forwards' alibi_strip_one_sided).
 CUPYFLASH_POLICY_FLAG(OneSided, kOneSided);

@@ -198,7 +198,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       mask_at_head(pol.mask, p, b, hh);
       pol.dropout.at_head(p, b, hh);
 #pragma unroll
-      for (int m = 0; m < kMS; ++m) c = score_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.score, scale_log2);
+      for (int m = 0; m < kMS; ++m)
+        c = score_strip<kNS, true, true, OneSided<typename Policy::Mask>::value>(pt[m], key0 + 16 * m, query0,
+                                                                                 pol.score, scale_log2);
       if (pol.mask.partial(query0, query0 + kSQ, key0, key0 + kSK)) {
 #pragma unroll
         for (int m = 0; m < kMS; ++m) mask_strip<kNS, true>(pt[m], key0 + 16 * m, query0, pol.mask);

@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kKeyWarps * kDSplit * 32, kMinBlocks)
     use_score_tile(pol.score, sScore_u + buf * kScoreBytes, i0, j0);
     mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
-    const float c = score_strip<kNQ, true>(pt, key_w, i0, pol.score, scale_log2);
+    const float c = score_strip<kNQ, true, true, OneSided<typename Policy::Mask>::value>(pt, key_w, i0, pol.score,
+                                                                                          scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(pt, key_w, i0, pol.mask);
     probs_from_lse<kNQ>(pt, c, lse_b);
     // Dropout's keep bits, held through the step: dV takes the kept P (scaled at the end), dS all of P with dP

@@ -331,11 +331,30 @@ __device__ __forceinline__ void alibi_strip_one_sided(float (&s)[NT][4], int row
   }
 }
 
+// The same for a key-major strip (the backwards': rows are keys row0 + g, + 8, columns queries col0 + 8n + 2t, + 1),
+// for AlibiScore only: in ModScore's kernels the shorter form scheduled the softcap path 12-14% slower (s17,
+// benchmarks/NOTES.md), and there the two share one kernel.
+template <int NT, class Score>
+__device__ __forceinline__ void alibi_strip_one_sided_keys(float (&s)[NT][4], int row0, int col0, const Score& score) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const float base = static_cast<float>(col0 + (lane & 3) * 2 + score.offset - row0 - (lane >> 2));
+  const float slope = score.slope_log2, scale = score.P->scale_log2;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float distance = base + static_cast<float>(n * 8 + (e & 1) - (e >> 1) * 8);
+      s[n][e] = fmaf(slope, distance, s[n][e] * scale);
+    }
+  }
+}
+
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
 // 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
 // 16-bit rounding); float32 kernels take the accurate ones.
-// kOneSided: the kernel's mask is OneSided (the forwards pass it; ALiBi then skips the distance's abs).
+// kOneSided: the kernel's mask is OneSided (ALiBi then skips the distance's abs: the forwards with ModScore or
+// AlibiScore, the backwards with AlibiScore).
 template <int NT, bool kKeyRows = false, bool kFast = true, bool kOneSided = false, class Score>
 __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int col0, const Score& score,
                                              float scale_log2) {
@@ -350,6 +369,10 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
         alibi_strip_one_sided<NT>(s, row0, col0, score);
         return 1.f;
       }
+    }
+    if constexpr (kOneSided && kKeyRows && AlibiOnly<Score>::value) {
+      alibi_strip_one_sided_keys<NT>(s, row0, col0, score);
+      return 1.f;
     }
     if (!score.softcapped()) score_strip_as<NT, kKeyRows, kFast, false, true>(s, row0, col0, score);  // ALiBi
     else if (kKeyRows || score.sloped()) score_strip_as<NT, kKeyRows, kFast, true, true>(s, row0, col0, score);

@@ -311,7 +311,8 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     mask_at_head(pol.mask, p, b, hh);
     pol.dropout.at_head(p, b, hh);
     use_score_tile(pol.score, sScore_u + buf * kScoreBytes, i0, j0);
-    const float c = score_strip<kNQ, true>(st, key_w, i0, pol.score, scale_log2);
+    const float c = score_strip<kNQ, true, true, OneSided<typename Policy::Mask>::value>(st, key_w, i0, pol.score,
+                                                                                          scale_log2);
     if (pol.mask.partial(i0, i0 + Br, key_w, key_w + 16)) mask_strip<kNQ, true>(st, key_w, i0, pol.mask);
     probs_from_lse<kNQ, kFoldZ>(st, c, lse_b);
     // dV_g += P^T dO_i: P^T packed to the A fragments, dO_i MN-major (queries down the rows). With dropout

@@ -121,7 +121,9 @@ class Variant:
             # the mask is FlexMask's: the score keeps score_mod alone, or is the built-in rule without one
             return f"FlexScore<cupyflash::{base}, cupyflash::ScoreFns<{USER}>>" if self.flex.score_mod else base
         if not (self.mask or self.bias):
-            return base
+            # ALiBi alone gets kernels without softcap code (attention_policy.cuh's AlibiScore): the backward's
+            # one-sided distances there (benchmarks/NOTES.md, s20)
+            return "AlibiScore" if base == "ModScore" and not self.softcap else base
         # Mask and bias arrays ride on the built-in score rule (ArrayScore<Base, BiasT, kMask, kBias>); the bias's
         # type is a template argument (float when there is no bias).
         flags = ", ".join("true" if x else "false" for x in (self.mask, self.bias))
@@ -230,6 +232,7 @@ BUILTIN: tuple[Variant, ...] = (
     Variant(softcap=30.0),
     Variant(causal=True, softcap=30.0),
     Variant(window=(8, 8), softcap=30.0),
+    Variant(causal=True, alibi=True),  # AlibiScore: ALiBi without softcap (its other masks compile on demand)
 )
 #: Mask/bias policies (issue 17): a representative few, compiled by CI for every family (not the whole cross
 #: product: each adds one instantiation per kernel configuration).

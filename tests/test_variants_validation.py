@@ -266,3 +266,17 @@ def test_public_api_rejects_variants_on_float64_only_for_q():
     """float64 inputs stay the reference's: the public API rejects them whatever the variant."""
     with pytest.raises(TypeError, match=r"q\.dtype must be one of float32, float16, bfloat16; got float64"):
         cupyflash.attention_forward(*qkv(np.float64), sinks=arr((HQ,)))
+
+
+@pytest.mark.parametrize("variant, score", [
+    (Variant(), "PlainScore"),
+    (Variant(causal=True, alibi=True), "AlibiScore"),  # ALiBi alone: kernels without softcap code
+    (Variant(window=(8, 8), alibi=True), "AlibiScore"),
+    (Variant(softcap=30.0), "ModScore"),
+    (Variant(causal=True, softcap=30.0, alibi=True), "ModScore"),
+    (Variant(alibi=True, bias="float"), "ArrayScore<cupyflash::ModScore, float, false, true>"),  # arrays: ModScore
+])  # fmt: skip
+def test_score_policy_names(variant, score):
+    """The C++ score policy a variant's kernels are instantiated with (attention_policy.cuh)."""
+    assert variant.score_name == score
+    assert f"cupyflash::{score}" in variant.cpp_policy
