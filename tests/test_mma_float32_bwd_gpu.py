@@ -219,10 +219,8 @@ def test_dropout(rng):
 REPEATS = 3
 
 
-@pytest.mark.parametrize("d, causal, shape", [(64, True, (1, 4, 2, 300, 520)), (128, True, (2, 4, 2, 700, 1024))])
-def test_deterministic_is_bitwise_reproducible(d, causal, shape, rng):
-    b, hq, hk, nq, nk = shape
-    q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
+def assert_reproducible(q, k, v, do, causal):
+    """REPEATS deterministic backwards: the first within the bounds, every one bitwise equal to it."""
     first = None
     for _ in range(REPEATS):
         got, ref = backward_poisoned(q, k, v, do, causal, deterministic=True)
@@ -233,6 +231,13 @@ def test_deterministic_is_bitwise_reproducible(d, causal, shape, rng):
             continue
         for name, a, g in zip(GRADS, first, got):
             assert np.array_equal(a.view(np.uint8), g.view(np.uint8)), f"{name} differs between runs"
+
+
+@pytest.mark.parametrize("d, causal, shape", [(64, True, (1, 4, 2, 300, 520)), (128, True, (2, 4, 2, 700, 1024))])
+def test_deterministic_is_bitwise_reproducible(d, causal, shape, rng):
+    b, hq, hk, nq, nk = shape
+    q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
+    assert_reproducible(q, k, v, do, causal)
 
 
 def test_deterministic_with_sinks_through_the_api(rng):
@@ -319,16 +324,7 @@ def test_query_parts_deterministic(rng):
     b, hq, hk, nq, nk, d = 1, 4, 1, 4096, 520, 64
     assert _parts_of(hq, hk, nq, d) == 4
     q, k, v, do = _inputs(rng, b, hq, hk, nq, nk, d)
-    first = None
-    for _ in range(REPEATS):
-        got, ref = backward_poisoned(q, k, v, do, True, deterministic=True)
-        got = [x.get() for x in got]
-        if first is None:
-            first = got
-            _check_grads(got, ref)
-            continue
-        for name, a, g in zip(GRADS, first, got):
-            assert np.array_equal(a.view(np.uint8), g.view(np.uint8)), f"{name} differs between runs"
+    assert_reproducible(q, k, v, do, True)
 
 
 def test_query_parts_with_bias_grad_and_dropout(rng):
