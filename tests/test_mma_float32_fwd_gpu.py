@@ -240,6 +240,24 @@ def test_refusals_and_auto(rng):
     assert dispatch.select(check_attention(q, k, v), lim).NAME == "mma"
 
 
+@pytest.mark.parametrize("shape, causal", [((1, 2, 1, 8192, 300), False), ((1, 4, 1, 4096, 500), True)])
+def test_past_4096_query_rows(shape, causal, rng):
+    """float32 runs here up to (Hq / Hk) x Nq = 16384 since the backward splits long query ranges (query parts);
+    the forward sums P V a key tile at a time, so its error does not grow with Nq."""
+    check(rng, shape, 64, causal)
+
+
+def test_auto_takes_float32_up_to_16384_query_rows_a_kv_head(rng):
+    from cupyflash.kernels import dispatch
+    from cupyflash.plans import DeviceLimits
+
+    lim = DeviceLimits.current()
+    for hq, nq, family in ((1, 16384, "mma"), (4, 4096, "mma"), (1, 16385, "portable"), (4, 4097, "portable")):
+        q = cupy.asarray(rng.standard_normal((1, hq, nq, 64)).astype(F32))
+        k = cupy.asarray(rng.standard_normal((1, 1, 8, 64)).astype(F32))
+        assert dispatch.select(check_attention(q, k, k), lim).NAME == family, (hq, nq)
+
+
 def test_relative_error_is_well_under_the_bound(rng):
     """The headline figure: 3xTF32 keeps o within a few 1e-7 of float64 at N = 1000 (float32's own level)."""
     q, k, v = _qkv(rng, 1, 4, 4, 1000, 1000, 64)
