@@ -178,7 +178,7 @@ def precompile(cands, shapes) -> None:
                 for fam, cfg in cands:
                     plans = pw if fam == "wgmma" else pm
                     bp = plans.plan_backward(b, H, H, n, n, D, CTYPE, limits, cfg, v)
-                    jobs.update((lp.source, lp.name) for lp in (bp.delta, bp.main, bp.convert))
+                    jobs.update((lp.source, lp.name) for lp in bp.launches)
     start = time.time()
     with ProcessPoolExecutor(max_workers=min(16, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
         errors = [e for e in pool.map(_build, sorted(jobs)) if e]
