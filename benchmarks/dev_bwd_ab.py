@@ -5,6 +5,7 @@ the trees' results be compared:
 - ``--pass bwd`` (B*N = 16k, N = 8k by default): float64 sums of dq, dk, dv (dk and dv bitwise; dq adds in any
   order);
 - ``--pass fwd`` (B = 1, N = 16k by default): a hash of o and lse, bitwise.
+Rows doc8 and prefix are ``--suite flex``'s user snippets with their block masks (its documents: seed 0).
 GPU machine:
     for r in 1 2; do for t in old new; do PYTHONPATH=$PWD/<tree of $t> python benchmarks/dev_bwd_ab.py $t; done
     done > $OUT/bwd_ab.txt
@@ -32,9 +33,25 @@ ROWS = {  # name: (causal, keywords)
     "window-c": (True, {"window_size": (1024, 0)}),
     "dropout": (False, {"dropout_p": 0.1, "dropout_seed": 7}),
     "determ": (False, {"deterministic": True}),
+    "doc8": (True, {"flex": "doc8"}),  # --suite flex's cases: snippets with their block masks
+    "prefix": (False, {"flex": "prefix-lm"}),
 }
 DEFAULT_ROWS = {"bwd": ["full", "causal", "softcap", "alibi-c", "window-c", "dropout", "determ"],
                 "fwd": ["alibi-c", "alibi", "softcap-c", "causal"]}
+
+
+def flex_keywords(case: str, b: int, n: int) -> dict:
+    """mask_mod, aux and block_mask of a --suite flex case (cupyflash.bench.flex) at batch b, length n."""
+    import cupy as cp
+    import numpy as np
+
+    from cupyflash.bench import flex as bflex
+
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, n), bflex.DOCS - 1, replace=False))
+    doc = np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+    kw = bflex._snippet(case, {"doc": cp.asarray(np.broadcast_to(doc, (b, n)).copy()), "prefix": n // 4})
+    kw["block_mask"] = cf.create_block_mask(kw["mask_mod"], b, None, n, n, aux=kw["aux"])
+    return kw
 
 
 def main() -> None:
@@ -61,6 +78,8 @@ def main() -> None:
                 if "alibi_slopes" in kw:
                     kw["alibi_slopes"] = (2.0 ** (-8.0 * (cp.arange(h, dtype=cp.float32) + 1) / h)).astype(cp.float32)
                 det = kw.pop("deterministic", False)
+                if "flex" in kw:
+                    kw = flex_keywords(kw["flex"], b, n)
                 o, lse = cf.attention_forward(q, k, v, causal=causal, **kw)
                 if a.which == "fwd":
                     digest = hashlib.sha1(o.get().tobytes() + lse.get().tobytes()).hexdigest()[:12]

@@ -37,7 +37,7 @@
 // and no consumer waits on an mbarrier inside its turn. The producer never waits on the consumers' turns.
 //
 // Not taken (plans/wgmma.py's ws_unsupported; the lockstep kernel runs them): staged mask/bias tiles
-// (score_tile.cuh) and user snippets / block masks (flex).
+// (score_tile.cuh). User snippets and block masks run here as the other policies do (flex_policy.cuh).
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
 #include "wgmma_fwd_steps.cuh"

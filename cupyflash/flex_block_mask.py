@@ -41,6 +41,9 @@ class BlockMask:
     states: Any  # uint8 (batch, heads, ceil(Nq / bs), ceil(Nk / bs)): EMPTY, PARTIAL, FULL
     kv_range: Any  # int32 (batch, heads, nqb, 2): [first, last) non-empty key blocks per query block
     q_range: Any  # int32 (batch, heads, nkb, 2): [first, last) non-empty query blocks per key block
+    #: The mean number of keys a query row's narrowed tile loop visits (``visited() * Nk``), read once when the mask
+    #: is made (one synchronisation there, none in the calls): the forward's kernel choice (plans.wgmma).
+    visited_keys: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -139,7 +142,9 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
         import cupy
 
         kv, q = ranges(states, cupy)
-    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q)
+    out = BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q)
+    out.visited_keys = round(out.visited() * nk)
+    return out
 
 
 def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> np.ndarray:

@@ -49,6 +49,8 @@ class Variant:
     block_mask: a block mask's table sizes (``BlockMask.params`` items), or (). C++: ``FlexMask`` around the mask
         (mask_mod moves from the score into the mask policy, so tiles of FULL blocks skip it; ``FlexScore`` keeps
         score_mod alone, or the score is the built-in rule), ``BlockMasked`` for the reference's twins.
+    block_keys: with a block mask, the mean number of keys a query row's tile loop visits
+        (``BlockMask.visited_keys``; 0: not known): a grid heuristic (plans.wgmma's forward kernel), no C++.
     """
 
     causal: bool = False
@@ -62,6 +64,7 @@ class Variant:
     flex: Any = None
     flex_aux: tuple = ()
     block_mask: tuple = ()
+    block_keys: int = 0
 
     @classmethod
     def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,

@@ -66,6 +66,23 @@ def main() -> int:
         finite = all(bool(cupy.isfinite(x).all()) for x in (o, *grads))
         print(f"mma      float32  query parts {label}: {'ok' if finite else 'NON-FINITE'}")
         bad += not finite
+    # A mask_mod with its block mask (issue 17) on each wgmma forward the plan picks: the warp-specialised one at
+    # D = 128, and at D = 64 past plans.wgmma.WS_MIN_BLOCK_KEYS_D64 visited keys a row (the first nk - 50 keys seen by
+    # every query), the lockstep one at D = 64 with few keys; causal, and documents of 40 keys that end mid-tile
+    # (EMPTY, PARTIAL and FULL blocks).
+    if cupy.cuda.Device().compute_capability == "90":
+        for d, nk, seen in ((128, 300, 8), (64, 300, 8), (64, 6200, 6150)):
+            q, do = (cupy.asarray(rng.standard_normal((1, 2, 70, d)).astype(np.float16)) for _ in range(2))
+            k, v = (cupy.asarray(rng.standard_normal((1, 1, nk, d)).astype(np.float16)) for _ in range(2))
+            snippet = {"mask_mod": f"doc(b, kv_idx) == doc(b, q_idx + Nk - Nq) || kv_idx < {seen}",
+                       "aux": {"doc": cupy.asarray((np.arange(nk) // 40)[None].astype(np.int32))}}
+            bm = cupyflash.create_block_mask(snippet["mask_mod"], 1, None, 70, nk, aux=snippet["aux"])
+            o, lse = cupyflash.attention_forward(q, k, v, causal=True, block_mask=bm, **snippet)
+            grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=True, block_mask=bm, **snippet)
+            finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
+            print(f"wgmma    float16  block mask d={d} nk={nk} ({bm.visited_keys} keys a row): "
+                  f"{'ok' if finite else 'NON-FINITE'}")
+            bad += not finite
     try:
         from cupyflash import linear_attention_backward, linear_attention_forward
     except ImportError:

@@ -277,16 +277,18 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
         for source, expr in fam.instantiations():
             kind = (source, expr.split("<", 1)[0])
             if plain not in expr or "__half" in expr or kind in seen or source == wgmma_plans.FORWARD_WS_SOURCE:
-                continue  # (the warp-specialised forward takes no snippets: plans.wgmma.ws_unsupported)
+                continue  # (the warp-specialised forward runs a mask_mod with a block mask alone: below)
             seen.add(kind)
             generated = f"{source}#flex-{spec.key}"
             jobs.append((fam.NAME, generated, expr.replace(plain, policies[len(jobs) % 2]), ARCHS[fam.NAME][0]))
-    # The mask alone with a block mask (FlexMask, PlainScore: the speed case) in the two kernels where its registers
-    # are tightest: the wgmma D=64 forward (128-register budget) and the mma D=64 key-major backward.
+    # The mask alone with a block mask (FlexMask, PlainScore: the speed case) in the kernels where its registers
+    # are tightest: the wgmma D=64 forwards (the lockstep kernel's 128-register budget, the warp-specialised one's
+    # 160-register consumers) and the mma D=64 key-major backward.
     mask_only = flex_mask_spec()
     causal = Variant(causal=True, flex=mask_only, block_mask=(("bm_size", 64),)).cpp_policy
-    for fam, config in ((wgmma, wgmma_plans.FORWARD_CONFIGS[64]), (mma, mma_plans.BACKWARD_CONFIGS[64])):
-        source = mma_plans.BACKWARD_SOURCE if fam is mma else wgmma_plans.FORWARD_SOURCE
+    for fam, config in ((wgmma, wgmma_plans.FORWARD_CONFIGS[64]), (wgmma, wgmma_plans.WS_FORWARD_CONFIGS[64]),
+                        (mma, mma_plans.BACKWARD_CONFIGS[64])):  # fmt: skip
+        source = mma_plans.BACKWARD_SOURCE if fam is mma else config.source
         jobs.append((fam.NAME, f"{source}#flex-{mask_only.key}", config.name("__nv_bfloat16", causal),
                      ARCHS[fam.NAME][0]))
     return jobs
@@ -405,6 +407,9 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
     "mma_flash_bwd<": 32,  # 8/12 B: D=64 FlexMask<Causal> on plain scores (flex3)
     "mma_flash_bwd2d<": 192,
     "wgmma_flash_fwd<": 256,  # 172/224 B: D=64 FlexMask<Causal> + FlexScore<PlainScore, ScoreFns> (flex3)
+    # 20/24 B: D=64 FlexMask<Causal> on plain scores (s21), the one snippet policy plans.wgmma.lockstep_by_default
+    # lets it run (with a score_mod, Window + FlexScore<ModScore> spilled 840/588 B at its 160-register consumers)
+    "wgmma_flash_fwd_ws<": 32,
     "wgmma_flash_bwd<": 480,  # 460/424 B: D=64 Window + FlexScore<ModScore> (snippets on softcap/ALiBi), NVRTC 13.5
 }
 

@@ -296,6 +296,20 @@ def test_block_mask_reference_counts_tiles(rng):
                 assert tuple(bm.q_range[b, h, kb]) == want
     assert 0 < bm.sparsity() < 1 and bm.visited() >= 1 - bm.sparsity()
     assert bm.params() == {"bm_size": 16, "bm_nqb": 7, "bm_nkb": 5, "bm_bb": 2, "bm_hb": 3}
+    # the mean keys a query row's tile loop visits (the forward's kernel choice, plans.wgmma), counted here
+    spans = (bm.kv_range[..., 1] - bm.kv_range[..., 0]).clip(0)
+    assert bm.visited_keys == round(spans.mean() * nk / 5) and bm.visited_keys > 0
+
+
+def test_block_mask_visited_keys_reach_the_variant():
+    """check_attention carries a block mask's visited keys into Variant.block_keys (the grid heuristic's input); a
+    call without a block mask has 0."""
+    q, k, v = (np.ones((1, 2, 128, 16), np.float32) for _ in range(3))
+    mm = lambda b, h, i, j: j < 32 + 0 * i  # noqa: E731  (the first 32 keys: one 64-block of the two a row)
+    bm = cf.create_block_mask(mm, None, None, 128, 128)
+    assert bm.visited_keys == 64
+    assert check_attention(q, k, v, mask_mod=mm, block_mask=bm).variant.block_keys == 64
+    assert check_attention(q, k, v, mask_mod=mm).variant.block_keys == 0
 
 
 @pytest.mark.parametrize("bs", [16, 32, 48, 64])

@@ -264,21 +264,48 @@ def test_ws_layout_matches_cpp():
 
 
 def test_ws_unsupported_gives_reasons_and_falls_back():
-    """The warp-specialised forward takes the built-in policies; what it does not take has a reason, and a call of it
-    gets the lockstep kernel even where the switch asks for the warp-specialised one."""
+    """The warp-specialised forward takes the built-in policies and user snippets; what it does not take (score
+    arrays) has a reason, and a call of it gets the lockstep kernel even where the switch asks for the
+    warp-specialised one."""
     from cupyflash import flex
 
-    for v in (*BUILTIN, *DROPOUT, Variant.of(False, None, 0.0, False, True)):
+    spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
+    for v in (*BUILTIN, *DROPOUT, Variant.of(False, None, 0.0, False, True), Variant(flex=spec),
+              Variant(causal=True, flex=spec, block_mask=(("bm_size", 64),), block_keys=9000)):  # fmt: skip
         assert plans.ws_unsupported(v) is None, v
         assert plans.forward_config(128, H100, v, ws=True) == plans.WS_FORWARD_CONFIGS[128]
-    spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
     arrays = plans.ARRAY_FORWARD_CONFIGS
-    for v, want in ((Variant(mask=True), arrays), (Variant(bias="float"), arrays),
-                    (Variant(flex=spec), plans.FORWARD_CONFIGS)):  # fmt: skip
-        assert "mask/bias" in plans.ws_unsupported(v) or "flex" in plans.ws_unsupported(v)
-        assert plans.forward_config(64, H100, v, ws=True) == want[64]
+    for v in (Variant(mask=True), Variant(bias="float")):
+        assert "mask/bias" in plans.ws_unsupported(v)
+        assert plans.forward_config(64, H100, v, ws=True) == arrays[64]
         with pytest.raises(ValueError, match="warp-specialised"):
             plans.plan_forward(1, 2, 100, 64, "__half", H100, plans.WS_FORWARD_CONFIGS[64], variant=v)
+
+
+def test_snippets_take_the_ws_forward_with_a_block_mask_that_visits_many_keys():
+    """lockstep_by_default for user snippets: a mask_mod with its block mask runs on the warp-specialised forward at
+    D = 128, and at D = 64 where its rows visit WS_MIN_BLOCK_KEYS_D64 keys or more on average (the measured cases);
+    a score_mod, or a mask_mod without a block mask, keeps the lockstep kernel (not timed on the ws one)."""
+    from cupyflash import flex
+
+    mask = flex.FlexSpec(mask_mod="doc(b, q_idx) == doc(b, kv_idx)", aux=(flex.AuxSlot("doc", "int", 2),))
+    scored = flex.FlexSpec(mask_mod=mask.mask_mod, score_mod="score * 2.f", aux=mask.aux)
+    bm = (("bm_size", 64),)
+    few, many = plans.WS_MIN_BLOCK_KEYS_D64 - 1, plans.WS_MIN_BLOCK_KEYS_D64
+    cases = [  # (variant, head dim, warp-specialised?)
+        (Variant(causal=True, flex=mask, block_mask=bm, block_keys=many), 64, True),
+        (Variant(causal=True, flex=mask, block_mask=bm, block_keys=few), 64, False),
+        (Variant(causal=True, flex=mask, block_mask=bm, block_keys=few), 128, True),
+        (Variant(flex=mask, block_mask=bm, block_keys=many), 128, True),
+        (Variant(causal=True, flex=mask), 128, False),  # no block mask
+        (Variant(causal=True, flex=mask, block_mask=bm), 128, False),  # visited keys not known (0)
+        (Variant(causal=True, flex=scored, block_mask=bm, block_keys=many), 128, False),
+        (Variant(causal=True, flex=scored, block_mask=bm, block_keys=many), 64, False),
+    ]
+    for v, d, ws in cases:
+        assert plans.lockstep_by_default(d, 16384, v) is not ws, (v, d)
+        want = (plans.WS_FORWARD_CONFIGS if ws else plans.FORWARD_CONFIGS)[d]
+        assert plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=v).config == want, (v, d)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -110,16 +110,34 @@ WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
 #: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT).
 WS_MIN_CAUSAL_ROWS_D64 = 2048
+#: D = 64 calls with a block mask whose query rows visit fewer keys than this on average (``Variant.block_keys``)
+#: keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row tile meets few key tiles.
+#: Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; lockstep ms / ws ms): causal documents of random
+#: lengths 2 docs (12261 keys a row) 1.14x, 4 (5715) 0.99x, 8 (2856) 0.82x, 16 (1886) 0.77x; prefix-LM (8728)
+#: 1.21x. D = 128 (two consumers, the lockstep kernel's tile) gains at every one of them: 1.13-1.19x.
+WS_MIN_BLOCK_KEYS_D64 = 6144
 
 
 def ws_unsupported(variant: Variant) -> str | None:
     """Why the warp-specialised forward cannot run a call of ``variant`` (the lockstep kernel then does), or None.
-    It takes the built-in policies (masks: none, causal, window; softcap, ALiBi, sinks, dropout) of either dtype."""
+    It takes every policy but mask/bias arrays, of either dtype."""
     if variant.arrays:
         return "does not stage mask/bias array tiles (the lockstep kernel does)"
-    if variant.flex is not None or variant.block_mask:
-        return "is not built with user snippets or block masks (flex)"
     return None
+
+
+def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
+    """Does a call that both forwards can run get the lockstep kernel by default? D = 64 calls whose query tiles
+    meet few key tiles (the two rules above), and user snippets other than a mask_mod with its block mask, which the
+    ws kernel has not been timed with (a score_mod, or a mask_mod on every element; at D = 64 its consumers spill
+    668-840 B with a score_mod, tests/test_compile.py)."""
+    if variant.flex is not None and (not variant.block_keys or getattr(variant.flex, "score_mod", None)):
+        return True
+    if padded_head_dim(d) != 64:
+        return False
+    if variant.block_keys:
+        return variant.block_keys < WS_MIN_BLOCK_KEYS_D64
+    return variant.causal and nq < WS_MIN_CAUSAL_ROWS_D64
 
 
 def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), ws: bool | None = None
@@ -155,8 +173,7 @@ def plan_forward(
     config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
-    short_causal = variant.causal and padded_head_dim(d) == 64 and nq < WS_MIN_CAUSAL_ROWS_D64
-    cfg = config or forward_config(d, limits, variant, ws=False if short_causal else None)
+    cfg = config or forward_config(d, limits, variant, ws=False if lockstep_by_default(d, nq, variant) else None)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     if cfg.ws and ws_unsupported(variant) is not None:
