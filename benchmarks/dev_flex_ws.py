@@ -39,7 +39,8 @@ def keywords(case: str, shape, x: dict) -> tuple[bool, dict, float]:
     else:
         kw = bflex._snippet(case, x)
     kw["block_mask"] = cf.create_block_mask(kw["mask_mod"], 1, None, shape.n, shape.n, aux=kw["aux"])
-    return case != "prefix-lm", kw, kw["block_mask"].visited() * shape.n
+    causal = case != "prefix-lm"
+    return causal, kw, float(kw["block_mask"].keys_a_row(causal, None))  # Variant.block_keys
 
 
 def main() -> None:

@@ -41,9 +41,11 @@ class BlockMask:
     states: Any  # uint8 (batch, heads, ceil(Nq / bs), ceil(Nk / bs)): EMPTY, PARTIAL, FULL
     kv_range: Any  # int32 (batch, heads, nqb, 2): [first, last) non-empty key blocks per query block
     q_range: Any  # int32 (batch, heads, nkb, 2): [first, last) non-empty query blocks per key block
-    #: The mean number of keys a query row's narrowed tile loop visits (``visited() * Nk``), read once when the mask
-    #: is made (one synchronisation there, none in the calls): the forward's kernel choice (plans.wgmma).
+    #: The mean number of keys a query row's narrowed tile loop visits, over the rows' [first, last) blocks, and the
+    #: same under the bottom-right causal rule: read once when the mask is made (one synchronisation there, none in
+    #: the calls), for the forward's kernel choice (``keys_a_row``, plans.wgmma). 0: not known.
     visited_keys: int = 0
+    visited_keys_causal: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -58,6 +60,15 @@ class BlockMask:
         each query block's row)."""
         r = self.kv_range
         return float((r[..., 1] - r[..., 0]).clip(0).sum()) / max(1, self.states.size)
+
+    def keys_a_row(self, causal: bool, window: tuple[int, int] | None) -> int:
+        """The mean number of keys a query row's tile loop visits in a call with this built-in mask (a Variant's
+        causal and window): the block ranges, under the causal rule where the call is causal or its window's right
+        side is 0, and at most a window's width where both its sides are bounded."""
+        keys = self.visited_keys_causal if causal or (window is not None and window[1] == 0) else self.visited_keys
+        if window is not None and min(window) >= 0:
+            keys = min(keys, window[0] + window[1] + 1)
+        return keys
 
     def full_tiles(self, rows: int, cols: int) -> np.ndarray:
         """Per kernel tile of ``rows`` x ``cols`` (b, h, ceil(Nq / rows), ceil(Nk / cols)): are all the blocks it
@@ -132,7 +143,7 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
     if callable(mask_mod):
         slots = flex.check_aux(aux, "numpy")
         states = _numpy_states(mask_mod, bb, hb, nq, nk, bs)
-        kv, q = ranges(states, np)
+        xp: Any = np
     else:
         flex.check_text("mask_mod", mask_mod)
         slots = flex.check_aux(aux, "cupy")
@@ -141,10 +152,23 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
         states = _cuda_states(spec, aux, bb, hb, nq, nk, bs)
         import cupy
 
-        kv, q = ranges(states, cupy)
-    out = BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q)
-    out.visited_keys = round(out.visited() * nk)
-    return out
+        xp = cupy
+    kv, q = ranges(states, xp)
+    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q, *_visited_keys(kv, nq, nk, bs, xp))
+
+
+def _visited_keys(kv_range: Any, nq: int, nk: int, bs: int, xp: Any) -> tuple[int, int]:
+    """(BlockMask.visited_keys, visited_keys_causal) of a kv_range table: per block row, the keys from its first
+    non-empty block to its last (clipped to Nk), and that range cut where the causal rule ends the row block's keys
+    (keys < its last query + 1 + Nk - Nq, bottom-right aligned, as Causal::keys_of), averaged over every row of
+    every (b, h); one transfer from the device."""
+    first = kv_range[..., 0] * bs
+    last = xp.minimum(kv_range[..., 1] * bs, nk)
+    rows = xp.arange(kv_range.shape[-2])
+    causal_end = xp.clip(xp.minimum((rows + 1) * bs, nq) + nk - nq, 0, nk)
+    spans = xp.stack([last - first, xp.minimum(last, causal_end) - first])
+    full, causal = (round(float(x)) for x in _host(xp.clip(spans, 0, None).reshape(2, -1).mean(axis=1)))
+    return full, causal
 
 
 def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> np.ndarray:

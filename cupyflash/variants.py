@@ -49,8 +49,8 @@ class Variant:
     block_mask: a block mask's table sizes (``BlockMask.params`` items), or (). C++: ``FlexMask`` around the mask
         (mask_mod moves from the score into the mask policy, so tiles of FULL blocks skip it; ``FlexScore`` keeps
         score_mod alone, or the score is the built-in rule), ``BlockMasked`` for the reference's twins.
-    block_keys: with a block mask, the mean number of keys a query row's tile loop visits
-        (``BlockMask.visited_keys``; 0: not known): a grid heuristic (plans.wgmma's forward kernel), no C++.
+    block_keys: with a block mask, the mean number of keys a query row's tile loop visits under this call's masks
+        (``BlockMask.keys_a_row``; 0: not known): a grid heuristic (plans.wgmma's forward kernel), no C++.
     """
 
     causal: bool = False

@@ -80,7 +80,7 @@ def main() -> int:
             o, lse = cupyflash.attention_forward(q, k, v, causal=True, block_mask=bm, **snippet)
             grads = cupyflash.attention_backward(do, q, k, v, o, lse, causal=True, block_mask=bm, **snippet)
             finite = all(bool(cupy.isfinite(x.astype(np.float32)).all()) for x in (o, *grads))
-            print(f"wgmma    float16  block mask d={d} nk={nk} ({bm.visited_keys} keys a row): "
+            print(f"wgmma    float16  block mask d={d} nk={nk} ({bm.visited_keys_causal} keys a row): "
                   f"{'ok' if finite else 'NON-FINITE'}")
             bad += not finite
     try:

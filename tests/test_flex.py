@@ -296,19 +296,37 @@ def test_block_mask_reference_counts_tiles(rng):
                 assert tuple(bm.q_range[b, h, kb]) == want
     assert 0 < bm.sparsity() < 1 and bm.visited() >= 1 - bm.sparsity()
     assert bm.params() == {"bm_size": 16, "bm_nqb": 7, "bm_nkb": 5, "bm_bb": 2, "bm_hb": 3}
-    # the mean keys a query row's tile loop visits (the forward's kernel choice, plans.wgmma), counted here
-    spans = (bm.kv_range[..., 1] - bm.kv_range[..., 0]).clip(0)
-    assert bm.visited_keys == round(spans.mean() * nk / 5) and bm.visited_keys > 0
+    # the mean keys a query row's tile loop visits (the forward's kernel choice, plans.wgmma), counted here per block
+    # row: from its first block to its last (clipped to Nk), and that cut at the causal rule's last key of the row
+    full, causal = [], []
+    for b in range(2):
+        for h in range(3):
+            for qb in range(7):
+                first, last = bm.kv_range[b, h, qb] * bs
+                last = min(last, nk)
+                causal_end = min(min((qb + 1) * bs, nq) + nk - nq, nk)
+                full.append(max(last - first, 0))
+                causal.append(max(min(last, causal_end) - first, 0))
+    assert bm.visited_keys == round(np.mean(full)) and bm.visited_keys_causal == round(np.mean(causal))
+    assert 0 < bm.visited_keys_causal < bm.visited_keys
 
 
 def test_block_mask_visited_keys_reach_the_variant():
-    """check_attention carries a block mask's visited keys into Variant.block_keys (the grid heuristic's input); a
-    call without a block mask has 0."""
-    q, k, v = (np.ones((1, 2, 128, 16), np.float32) for _ in range(3))
-    mm = lambda b, h, i, j: j < 32 + 0 * i  # noqa: E731  (the first 32 keys: one 64-block of the two a row)
-    bm = cf.create_block_mask(mm, None, None, 128, 128)
-    assert bm.visited_keys == 64
-    assert check_attention(q, k, v, mask_mod=mm, block_mask=bm).variant.block_keys == 64
+    """check_attention carries the keys a row visits under the call's own masks into Variant.block_keys (the grid
+    heuristic's input): the block ranges, cut by causal (or a window whose right side is 0), at most a two-sided
+    window's width; a call without a block mask has 0."""
+    q, k, v = (np.ones((1, 2, 256, 16), np.float32) for _ in range(3))
+    mm = lambda b, h, i, j: (j < 32) | (i >= 128)  # noqa: E731  (block rows 0-1: block 0; rows 2-3: all four)
+    bm = cf.create_block_mask(mm, None, None, 256, 256)
+    assert (bm.visited_keys, bm.visited_keys_causal) == ((64 + 64 + 256 + 256) // 4, (64 + 64 + 192 + 256) // 4)
+
+    def keys(**kw):
+        return check_attention(q, k, v, mask_mod=mm, block_mask=bm, **kw).variant.block_keys
+
+    assert keys() == 160 and keys(causal=True) == 144
+    assert keys(window_size=(300, 0)) == 144  # right side 0: causal's cut (wider than any row's range)
+    assert keys(window_size=(100, 0)) == 101 and keys(window_size=(20, 30)) == 51  # at most left + right + 1
+    assert keys(window_size=(-1, 30)) == 160
     assert check_attention(q, k, v, mask_mod=mm).variant.block_keys == 0
 
 

@@ -110,12 +110,13 @@ WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
 #: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT).
 WS_MIN_CAUSAL_ROWS_D64 = 2048
-#: D = 64 calls with a block mask whose query rows visit fewer keys than this on average (``Variant.block_keys``)
-#: keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row tile meets few key tiles.
-#: Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; lockstep ms / ws ms): causal documents of random
-#: lengths 2 docs (12261 keys a row) 1.14x, 4 (5715) 0.99x, 8 (2856) 0.82x, 16 (1886) 0.77x; prefix-LM (8728)
-#: 1.21x. D = 128 (two consumers, the lockstep kernel's tile) gains at every one of them: 1.13-1.19x.
-WS_MIN_BLOCK_KEYS_D64 = 6144
+#: D = 64 calls with a block mask whose query rows visit fewer keys than this on average under the call's masks
+#: (``Variant.block_keys``) keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row
+#: tile meets few key tiles. Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; lockstep ms / ws ms):
+#: causal documents of random lengths, 2 docs (6162 keys a row) 1.14x, 4 (2890) 0.99x, 8 (1460) 0.82x, 16 (975)
+#: 0.77x; prefix-LM (non-causal, 8728) 1.21-1.25x. D = 128 (two consumers, the lockstep kernel's tile) gains at
+#: every one of them: 1.13-1.19x.
+WS_MIN_BLOCK_KEYS_D64 = 4096
 
 
 def ws_unsupported(variant: Variant) -> str | None:
