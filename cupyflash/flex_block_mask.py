@@ -135,6 +135,8 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
     B, H: the batch (leading dims flattened) and query-head counts, or None (one table for all; mask_mod is then
     evaluated at b = 0 / h = 0). Nq, Nk: the sequence lengths. aux: as the attention call's (same names, kinds,
     dtypes and dims). block_size: the tile edge (default 64; any positive size works with every kernel family).
+    With CuPy it waits for the device once, to read how many keys a row visits (``visited_keys``: which Hopper
+    forward runs the calls); the attention calls that take the mask do not.
     """
     from . import flex
 
