@@ -47,9 +47,8 @@ def flex_keywords(case: str, b: int, n: int) -> dict:
 
     from cupyflash.bench import flex as bflex
 
-    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, n), bflex.DOCS - 1, replace=False))
-    doc = np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
-    kw = bflex._snippet(case, {"doc": cp.asarray(np.broadcast_to(doc, (b, n)).copy()), "prefix": n // 4})
+    doc = np.broadcast_to(bflex.doc_ids(n), (b, n))
+    kw = bflex._snippet(case, {"doc": cp.asarray(doc.copy()), "prefix": n // 4})
     kw["block_mask"] = cf.create_block_mask(kw["mask_mod"], b, None, n, n, aux=kw["aux"])
     return kw
 

@@ -23,7 +23,6 @@ CASES = ("doc2", "doc4", "doc8", "doc16", "prefix-lm", "window256", "window1024"
 def keywords(case: str, shape, x: dict) -> tuple[bool, dict, float]:
     """(causal, keywords, mean keys a query row visits) of a case."""
     import cupy as cp
-    import numpy as np
 
     import cupyflash as cf
     from cupyflash.bench import flex as bflex
@@ -32,9 +31,7 @@ def keywords(case: str, shape, x: dict) -> tuple[bool, dict, float]:
         left = int(case[6:])
         return True, {"window_size": (left, 0)}, float(left + 1)
     if case.startswith("doc"):  # documents of random lengths, as --suite flex's doc8 (seed 0)
-        docs = int(case[3:])
-        cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, shape.n), docs - 1, replace=False))
-        doc = np.searchsorted(cuts, np.arange(shape.n), side="right").astype(np.int32)
+        doc = bflex.doc_ids(shape.n, int(case[3:]))
         kw = bflex._snippet("doc8", {"doc": cp.asarray(doc[None].copy())})
     else:
         kw = bflex._snippet(case, x)

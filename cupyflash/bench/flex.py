@@ -42,14 +42,21 @@ def plan_rows(shapes: Sequence[Shape], passes: Sequence[str], kernel: str, torch
     return rows
 
 
+def doc_ids(n: int, docs: int = DOCS, seed: int = 0) -> Any:
+    """int32 (n,): the document of each of n tokens cut into ``docs`` documents of random lengths (seed 0: the
+    suite's doc8 lengths; the dev scripts' other document counts)."""
+    import numpy as np
+
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
+    return np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+
+
 def inputs(shape: Shape, seed: int) -> dict[str, Any]:
     import cupy
     import numpy as np
 
     _, x = attention_inputs(shape, seed)
-    host = np.random.default_rng(seed)
-    cuts = np.sort(host.choice(np.arange(1, shape.n), DOCS - 1, replace=False))
-    doc = np.searchsorted(cuts, np.arange(shape.n), side="right").astype(np.int32)
+    doc = doc_ids(shape.n, DOCS, seed)
     x["doc"] = cupy.asarray(np.broadcast_to(doc, (shape.b, shape.n)).copy())
     x["prefix"] = shape.n // 4
     return x

@@ -32,9 +32,10 @@ def backward_call(plan: BackwardPlan, p: AttentionProblem, g: Geometry, determin
         plan = with_rows(plan, scratch_rows(p, g))
     # float32 query parts (plans.mma.query_parts): each part's partial dK/dV, summed by the combine launch
     parts = [Scratch("kv_part", 2 * plan.q_parts * g.batch * p.hk * p.nk * p.d)] if plan.q_parts > 1 else []
-    if plan.own_dq:  # one key tile per kv head: the main kernel does Delta and dQ (one launch; deterministic)
+    if plan.own_dq:  # one key tile per kv head: the main kernel does Delta and dQ (one launch; deterministic; one
+        # query part, with_query_parts)
         return call_plan(plan.launches, base_params(p, g, plan.heads_on_x, q_parts=plan.q_parts),
-                         [Scratch("delta", plan.rows), *parts])  # fmt: skip
+                         [Scratch("delta", plan.rows)])  # fmt: skip
     scratch = [Scratch("delta", plan.rows), Scratch("dq_accum", plan.rows * p.d), *parts]  # dq_accum: Delta zeroes it
     if deterministic:
         scratch.append(Scratch("dq_turns", g.batch * p.hq * -(-p.nq // plan.config.br), zeroed=True))
