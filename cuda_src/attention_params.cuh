@@ -65,9 +65,11 @@ struct AttentionParams {
   // key blocks that are not empty, and per (b, h, key block) the [first, last) query blocks; int pairs.
   const int* bm_kv;
   const int* bm_q;
-  // Block masks' tile states (issue 17 speed, flex_policy.cuh's FlexMask): uint8 (bm_bb, bm_hb, bm_nqb, bm_nkb),
-  // 0 empty, 1 partial, 2 full; tiles of full blocks skip mask_mod.
-  const unsigned char* bm_state;
+  // Block masks' full runs (issue 17 speed, flex_policy.cuh's FlexMask): per (b, h, query block) the [first, last)
+  // key blocks of its longest run of FULL blocks, and per (b, h, key block) the same over query blocks; int pairs.
+  // Tiles inside a run skip mask_mod.
+  const int* bm_full_kv;
+  const int* bm_full_q;
   // Query parts (float32 backward, plans.mma.query_parts): f32 partial dK_j/dV_j of each part, q_parts x
   // {dK, dV} slabs of B * Hk * Nk rows of d floats, summed in part order by mma_bwd_kv_combine; nullptr: none.
   float* kv_part;
@@ -108,8 +110,10 @@ struct AttentionParams {
   int aux_n[8][4];
   double aux_x[8];
   // Block masks: the block size, the query and key block counts, and the batch and head extents of the tables
-  // (1: one table for every batch / head).
+  // (1: one table for every batch / head); an index's block is (x * bm_magic) >> bm_magic_shift (no division).
   int bm_size, bm_nqb, bm_nkb, bm_bb, bm_hb;
+  unsigned int bm_magic;
+  int bm_magic_shift;
 
   // dbias stores (issue 17 speed): 1 when no (b, h, q, k) of the problem shares a dbias element (the bias is
   // not broadcast): dbias is then the output itself, in the bias's dtype, and each dS is stored, not added.

@@ -131,15 +131,7 @@ template <class Base>
 struct BlockMasked {
   Base base;
   const AttentionParams* P;
-  int b, h0, nh;  // global batch index; the query heads [h0, h0 + nh) this kernel block serves
-  __device__ BlockMasked(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {
-    const TileCoord tc = tile_coord(p);
-    const int heads = (p.heads_fastest ? gridDim.x : gridDim.y) / p.batch;
-    const int hh = tc.bh % heads;
-    b = tc.bh / heads + p.dropout_b0;
-    nh = heads == p.hq ? 1 : p.group;
-    h0 = hh * nh;
-  }
+  __device__ BlockMasked(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
   __device__ __forceinline__ bool visible(int q, int k) const { return base.visible(q, k); }
   __device__ __forceinline__ bool partial(int q0, int q1, int k0, int k1) const { return base.partial(q0, q1, k0, k1); }
   __device__ __forceinline__ Range keys_of(int q0, int q1) const {
@@ -148,21 +140,27 @@ struct BlockMasked {
   __device__ __forceinline__ Range queries_of(int k0, int k1) const {
     return narrow(base.queries_of(k0, k1), P->bm_q, k0, k1, P->bm_nkb);
   }
-  // r intersected with the union of the [first, last) blocks of table rows covering [x0, x1).
+  // r intersected with the union of the [first, last) blocks of table rows covering [x0, x1), over the query heads
+  // [h0, h0 + nh) of this kernel block's batch b. (Decoded here, where the ranges are asked, once or twice a
+  // block: kernels that rebuild their policy per step, as the backwards do, then pay nothing per step for it.)
   __device__ Range narrow(Range r, const int* table, int x0, int x1, int rows) const {
     if (r.end <= r.begin || table == nullptr) return r;
-    const int s = P->bm_size;
+    const AttentionParams& p = *P;
+    const TileCoord tc = tile_coord(p);
+    const int heads = (p.heads_fastest ? gridDim.x : gridDim.y) / p.batch;
+    const int nh = heads == p.hq ? 1 : p.group, h0 = tc.bh % heads * nh;
+    const int bb = p.bm_bb == 1 ? 0 : tc.bh / heads + p.dropout_b0;
+    const int s = p.bm_size;
     const int i0 = max(x0, 0) / s, i1 = min((x1 + s - 1) / s, rows);
-    const int bb = P->bm_bb == 1 ? 0 : b;
     int lo = 0x7fffffff, hi = 0;
     for (int h = h0; h < h0 + nh; ++h) {
-      const int hb = P->bm_hb == 1 ? 0 : h;
-      const int* row = table + 2LL * ((static_cast<long long>(bb) * P->bm_hb + hb) * rows);
+      const int hb = p.bm_hb == 1 ? 0 : h;
+      const int* row = table + 2LL * ((static_cast<long long>(bb) * p.bm_hb + hb) * rows);
       for (int i = i0; i < i1; ++i) {
         lo = min(lo, row[2 * i]);
         hi = max(hi, row[2 * i + 1]);
       }
-      if (P->bm_hb == 1) break;
+      if (p.bm_hb == 1) break;
     }
     const Range out = {max(r.begin, lo >= hi ? 0 : lo * s), min(r.end, lo >= hi ? 0 : hi * s)};
     return out.end > out.begin ? out : Range{0, 0};
@@ -171,9 +169,9 @@ struct BlockMasked {
 
 // mask_mod as a mask policy (issue 17 speed): a pair is visible iff Base shows it and mask_mod(b, h, q, k) holds,
 // evaluated where the built-in masks are, in the kernels' mask_strip, which runs only on partial tiles. A tile
-// is partial when Base says so or when some block-mask block it touches is not FULL (create_block_mask's states):
-// tiles made only of FULL blocks skip mask_mod and its aux loads altogether (for a document mask that is nearly
-// every visited tile). A tile covering part of a block takes that block's state (conservative). The ranges stay
+// is partial when Base says so or when it is not inside a run of FULL blocks (create_block_mask's full runs, per
+// block row and per block column the longest run): tiles inside one skip mask_mod and its aux loads altogether
+// (for a document or prefix-LM mask every FULL block of a row or column lies in one run). The ranges stay
 // BlockMasked's (the union over a key-major block's group of heads); visible and partial are those of one
 // (b, h), set by at_head, which every kernel calls next to the score's before asking partial or visible.
 // Pairs outside the problem (q >= nq: a tile's padded rows) are Base's alone: snippets never see them.
@@ -182,14 +180,16 @@ struct FlexMask : BlockMasked<Base> {
   static_assert(Fns::kMask, "FlexMask evaluates a mask_mod");
   static constexpr bool kPerHead = true;  // kernels call at_head (mask_at_head)
   int fb = 0, fh = 0;  // the global batch index and query head of at_head
-  // Does the tile of the last partial() call touch a block that is not FULL? Only then does visible() run
-  // mask_mod: a tile that is partial for Base alone (the causal diagonal) inside FULL blocks tests Base only.
-  // Every kernel asks partial() for a tile right before its visible() calls; true until then (safe).
+  int table = 0;       // the first line of this (b, h)'s tables, in (b, h) units (0 where the tables broadcast)
+  // Does the tile of the last partial() call leave the full runs? Only then does visible() run mask_mod: a tile
+  // that is partial for Base alone (the causal diagonal) inside FULL blocks tests Base only. Every kernel asks
+  // partial() for a tile right before its visible() calls; true until then (safe).
   mutable bool needs_mod = true;
   __device__ FlexMask(const AttentionParams& p, int nq, int nk) : BlockMasked<Base>(p, nq, nk) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b_, int h_) {
     fb = p.dropout_b0 + b_;  // as FlexScore: a launch of one sub-batch starts at dropout_b0
     fh = h_;
+    table = (p.bm_bb == 1 ? 0 : fb) * p.bm_hb + (p.bm_hb == 1 ? 0 : fh);
   }
   __device__ __forceinline__ bool visible(int q, int k) const {
     const AttentionParams& p = *this->P;
@@ -204,31 +204,28 @@ struct FlexMask : BlockMasked<Base> {
     needs_mod = !all_full(q0, q1, k0, k1);
     return needs_mod || this->base.partial(q0, q1, k0, k1);
   }
-  // Are the blocks covering [q0, q1) x [k0, k1) (clipped to the problem) all FULL for this (b, h)? Asked per tile
-  // (per warp strip), so its block indices are shifts when the block size is a power of two (the default 64):
-  // four integer divisions and two in the loop were ~80 of a doc-mask tile's ~540 instructions (ncu, 2026-11-24b).
+  // The block holding index x >= 0: x / bm_size as a multiply and a shift (BlockMask.params' magic number).
+  __device__ __forceinline__ static int block_of(const AttentionParams& p, int x) {
+    return static_cast<int>((static_cast<unsigned long long>(x) * p.bm_magic) >> p.bm_magic_shift);
+  }
+  // Are the blocks covering [q0, q1) x [k0, k1) (clipped to the problem) inside this (b, h)'s full runs? Asked per
+  // tile or warp strip, so it costs one 8-byte load: a strip one block wide (the backwards' 16 keys) asks its block
+  // column's run, one block high (the forwards' 16 rows) its block row's. (s22: a loop over the tile's byte states,
+  // its table address rebuilt per block, was ~70 of a prefix-LM backward step's ~1600 instructions a warp.)
   __device__ bool all_full(int q0, int q1, int k0, int k1) const {
     const AttentionParams& p = *this->P;
-    if (p.bm_state == nullptr) return false;
-    const int s = p.bm_size, nkb = p.bm_nkb;
-    q0 = max(q0, 0), q1 = min(q1, p.nq) + s - 1, k0 = max(k0, 0), k1 = min(k1, p.nk) + s - 1;
-    int i0, i1, j0, j1;
-    if ((s & (s - 1)) == 0) {
-      const int sh = __ffs(s) - 1;
-      i0 = q0 >> sh, i1 = q1 >> sh, j0 = k0 >> sh, j1 = k1 >> sh;
-    } else {
-      i0 = q0 / s, i1 = q1 / s, j0 = k0 / s, j1 = k1 / s;
+    q0 = max(q0, 0), q1 = min(q1, p.nq) - 1, k0 = max(k0, 0), k1 = min(k1, p.nk) - 1;  // the last row and key
+    if (q1 < q0 || k1 < k0) return true;  // no pair of the problem (a padded strip): nothing for mask_mod, no read
+    const int i0 = block_of(p, q0), i1 = block_of(p, q1), j0 = block_of(p, k0), j1 = block_of(p, k1);
+    if (j0 == j1) {
+      const int2 run = __ldg(reinterpret_cast<const int2*>(p.bm_full_q) + table * p.bm_nkb + j0);
+      return run.x <= i0 && i1 < run.y;
     }
-    const int bb = p.bm_bb == 1 ? 0 : fb, hb = p.bm_hb == 1 ? 0 : fh;
-    const unsigned char* t = p.bm_state + (static_cast<long long>(bb) * p.bm_hb + hb) * p.bm_nqb * nkb;
-    // The blocks row by row (a tile spans one or two blocks each way at the usual sizes); none past the problem's
-    // rows or keys.
+    const int2* const row_runs = reinterpret_cast<const int2*>(p.bm_full_kv) + table * p.bm_nqb;
 #pragma unroll 1
-    for (int i = i0; i < i1; ++i) {
-#pragma unroll 1
-      for (int j = j0; j < j1; ++j) {
-        if (__ldg(t + i * nkb + j) != 2) return false;  // 2: FULL (flex_block_mask.py)
-      }
+    for (int i = i0; i <= i1; ++i) {  // (peeling the first row measured 0-2% faster but spills in portable_fwd)
+      const int2 run = __ldg(row_runs + i);
+      if (j0 < run.x || j1 >= run.y) return false;
     }
     return true;
   }

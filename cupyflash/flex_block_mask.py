@@ -9,8 +9,10 @@ reference of the CPU tests.
 Passing ``block_mask=`` with the same ``mask_mod`` (and aux) to an attention call narrows every kernel tile loop
 to the blocks between the first and the last non-empty one of its rows (forwards) or columns (backwards)
 (``BlockMasked`` in ``cuda_src/flex_policy.cuh``): for a document mask or a prefix-LM mask that skips every
-empty tile. mask_mod then runs only in partial tiles (``FlexMask``): a kernel tile whose blocks are all FULL
-(``BlockMask.full_tiles``) and that the built-in mask leaves whole runs as an unmasked tile. Interior empty tiles
+empty tile. mask_mod then runs only in partial tiles (``FlexMask``): a kernel tile whose blocks lie inside the
+longest run of FULL blocks of their block row or column (``BlockMask.full_kv`` / ``full_q``; ``full_tiles``) and
+that the built-in mask leaves whole runs as an unmasked tile (for document, prefix-LM and window masks every FULL
+block of a row or column is in that run). Interior empty tiles
 (a row whose visible blocks are not contiguous) are still visited, as partial tiles. The block size need not
 match any kernel's tiles: a kernel tile covering part of a block takes that block's whole range and state
 (conservative). ``B``/``H`` of ``None`` (or 1)
@@ -41,6 +43,8 @@ class BlockMask:
     states: Any  # uint8 (batch, heads, ceil(Nq / bs), ceil(Nk / bs)): EMPTY, PARTIAL, FULL
     kv_range: Any  # int32 (batch, heads, nqb, 2): [first, last) non-empty key blocks per query block
     q_range: Any  # int32 (batch, heads, nkb, 2): [first, last) non-empty query blocks per key block
+    full_kv: Any  # int32 (batch, heads, nqb, 2): [first, last) key blocks of each query block's longest FULL run
+    full_q: Any  # int32 (batch, heads, nkb, 2): the same per key block, over query blocks
     #: The mean number of keys a query row's narrowed tile loop visits, over the rows' [first, last) blocks, and the
     #: same under the bottom-right causal rule: read once when the mask is made (one synchronisation there, none in
     #: the calls), for the forward's kernel choice (``keys_a_row``, plans.wgmma). 0: not known.
@@ -71,31 +75,45 @@ class BlockMask:
         return keys
 
     def full_tiles(self, rows: int, cols: int) -> np.ndarray:
-        """Per kernel tile of ``rows`` x ``cols`` (b, h, ceil(Nq / rows), ceil(Nk / cols)): are all the blocks it
-        covers, clipped to the problem, FULL? Such tiles skip mask_mod (``FlexMask::all_full`` in
-        cuda_src/flex_policy.cuh, the same rule in NumPy: tests, and the work a call leaves per element)."""
-        full = np.asarray(_host(self.states)) == FULL
+        """Per kernel tile of ``rows`` x ``cols`` (b, h, ceil(Nq / rows), ceil(Nk / cols)): does it skip mask_mod?
+        ``FlexMask::all_full``'s rule in NumPy (tests, and the work a call leaves per element): the tile's blocks,
+        clipped to the problem, lie inside its block column's full run when it is one block wide, else inside each
+        of its block rows' full runs."""
+        kv, q = np.asarray(_host(self.full_kv)), np.asarray(_host(self.full_q))
         bs, nq, nk = self.block_size, self.nq, self.nk
         nqt, nkt = -(-nq // rows), -(-nk // cols)
-        out = np.zeros((*full.shape[:2], nqt, nkt), bool)
+        out = np.zeros((*kv.shape[:2], nqt, nkt), bool)
         for i in range(nqt):
-            i0, i1 = i * rows // bs, -(-min((i + 1) * rows, nq) // bs)
+            i0, i1 = i * rows // bs, (min((i + 1) * rows, nq) - 1) // bs
             for j in range(nkt):
-                j0, j1 = j * cols // bs, -(-min((j + 1) * cols, nk) // bs)
-                out[:, :, i, j] = full[:, :, i0:i1, j0:j1].all(axis=(2, 3))
+                j0, j1 = j * cols // bs, (min((j + 1) * cols, nk) - 1) // bs
+                if j0 == j1:
+                    out[:, :, i, j] = (q[:, :, j0, 0] <= i0) & (i1 < q[:, :, j0, 1])
+                else:
+                    out[:, :, i, j] = ((kv[:, :, i0 : i1 + 1, 0] <= j0) & (j1 < kv[:, :, i0 : i1 + 1, 1])).all(axis=2)
         return out
 
     def pointers(self) -> dict[str, Any]:
-        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``, ``bm_state``)."""
-        return {"bm_kv": self.kv_range, "bm_q": self.q_range, "bm_state": self.states}
+        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``, ``bm_full_kv``, ``bm_full_q``)."""
+        return {"bm_kv": self.kv_range, "bm_q": self.q_range, "bm_full_kv": self.full_kv, "bm_full_q": self.full_q}
 
     def params(self) -> dict[str, int]:
         nqb, nkb = self.states.shape[-2:]
-        return {"bm_size": self.block_size, "bm_nqb": nqb, "bm_nkb": nkb, "bm_bb": self.batch, "bm_hb": self.heads}
+        magic, shift = block_divisor(self.block_size)
+        return {"bm_size": self.block_size, "bm_nqb": nqb, "bm_nkb": nkb, "bm_bb": self.batch, "bm_hb": self.heads,
+                "bm_magic": magic, "bm_magic_shift": shift}  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"BlockMask(batch={self.batch}, heads={self.heads}, Nq={self.nq}, Nk={self.nk}, "
                 f"block_size={self.block_size}, empty={self.sparsity():.3f})")  # fmt: skip
+
+
+def block_divisor(bs: int) -> tuple[int, int]:
+    """(m, s) with x // bs == (x * m) >> s for every 0 <= x < 2**31 and m < 2**32 (the round-up method: s = 31 +
+    ceil(log2 bs), m = ceil(2**s / bs), whose error m * bs - 2**s < bs <= 2**(s - 31) keeps every quotient exact):
+    FlexMask's block index without a division."""
+    s = 31 + (bs - 1).bit_length()
+    return -(-(1 << s) // bs), s
 
 
 def _host(x: Any) -> Any:
@@ -145,18 +163,20 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
     if callable(mask_mod):
         slots = flex.check_aux(aux, "numpy")
         states = _numpy_states(mask_mod, bb, hb, nq, nk, bs)
+        full = states == FULL
+        runs = _longest_runs(full), _longest_runs(full.swapaxes(-1, -2))
         xp: Any = np
     else:
         flex.check_text("mask_mod", mask_mod)
         slots = flex.check_aux(aux, "cupy")
         spec = flex.FlexSpec(mask_mod=mask_mod, aux=slots)
         flex.check(spec)
-        states = _cuda_states(spec, aux, bb, hb, nq, nk, bs)
+        states, runs = _cuda_states(spec, aux, bb, hb, nq, nk, bs)
         import cupy
 
         xp = cupy
     kv, q = ranges(states, xp)
-    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q, *_visited_keys(kv, nq, nk, bs, xp))
+    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q, *runs, *_visited_keys(kv, nq, nk, bs, xp))
 
 
 def _visited_keys(kv_range: Any, nq: int, nk: int, bs: int, xp: Any) -> tuple[int, int]:
@@ -171,6 +191,17 @@ def _visited_keys(kv_range: Any, nq: int, nk: int, bs: int, xp: Any) -> tuple[in
     spans = xp.stack([last - first, xp.minimum(last, causal_end) - first])
     full, causal = (round(float(x)) for x in _host(xp.clip(spans, 0, None).reshape(2, -1).mean(axis=1)))
     return full, causal
+
+
+def _longest_runs(full: np.ndarray) -> np.ndarray:
+    """(..., n) bool -> (..., 2) int32: the [first, last) of each line's longest run of True (the first of equal
+    length), (0, 0) where it has none. The reference of the CUDA tables' kernel (cf_full_runs)."""
+    idx = np.arange(full.shape[-1])
+    last_gap = np.maximum.accumulate(np.where(full, -1, idx), axis=-1)  # the last False at or before each index
+    length = np.where(full, idx - last_gap, 0)  # of the run ending at each index
+    end, size = length.argmax(axis=-1) + 1, length.max(axis=-1)
+    return np.ascontiguousarray(np.stack([np.where(size > 0, end - size, 0), np.where(size > 0, end, 0)], axis=-1),
+                                dtype=np.int32)  # fmt: skip
 
 
 def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> np.ndarray:
@@ -191,6 +222,8 @@ def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) ->
 
 
 #: The generated kernel: one thread block per tile; each thread ORs and ANDs its elements' mask, then the block.
+#: The full runs' kernel (BlockMask.full_kv / full_q from the states): one source for every snippet.
+RUNS_SOURCE = "block_mask_runs.cu"
 _STATES_KERNEL = r"""
 __global__ void cf_block_states(const __grid_constant__ cupyflash::AttentionParams p) {
   const int bs = p.bm_size, nqb = p.bm_nqb, nkb = p.bm_nkb;
@@ -215,7 +248,8 @@ __global__ void cf_block_states(const __grid_constant__ cupyflash::AttentionPara
 """
 
 
-def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> Any:
+def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> tuple[Any, tuple[Any, Any]]:
+    """The states and the (full_kv, full_q) runs, on the device."""
     import cupy
 
     from . import flex
@@ -235,7 +269,15 @@ def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: in
     Params.write_pointers(launch.buffer, Params.pointer_values({"o": states.data.ptr, **{
         n: a.data.ptr for n, a in flex.aux_arrays(aux).items()}}))  # fmt: skip
     launch.fire(cupy.cuda.get_current_stream().ptr)
-    return states
+    runs = build.get_function(RUNS_SOURCE, "cf_full_runs")
+    out = []
+    for lines, per, n, inner, step in ((nqb, nqb, nkb, nkb, 1), (nkb, nkb, nqb, 1, nkb)):  # rows, then columns
+        table = cupy.empty((bb, hb, lines, 2), dtype=np.int32)
+        total = bb * hb * lines
+        runs(((total + 255) // 256,), (256,), (states, table, np.int64(total), np.int32(per), np.int32(n),
+                                               np.int64(nqb * nkb), np.int64(inner), np.int64(step)))  # fmt: skip
+        out.append(table)
+    return states, (out[0], out[1])
 
 
 def _aux_params(aux: Any) -> dict[str, Any]:

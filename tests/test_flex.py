@@ -14,6 +14,7 @@ import pytest
 import cupyflash as cf
 from cupyflash import flex, reference
 from cupyflash.flex import SnippetError
+from cupyflash.flex_block_mask import block_divisor
 from cupyflash.validation import check_attention, check_backward
 from test_compile import NVRTC_REASON
 from test_launch_abi import planned  # noqa: F401  (a fixture: launches recorded, H100 limits)
@@ -294,8 +295,19 @@ def test_block_mask_reference_counts_tiles(rng):
                 nz = np.flatnonzero(rows[:, kb])
                 want = (nz[0], nz[-1] + 1) if len(nz) else (0, 0)
                 assert tuple(bm.q_range[b, h, kb]) == want
+            for table, lines in ((bm.full_kv, bm.states[b, h] == 2), (bm.full_q, (bm.states[b, h] == 2).T)):
+                for line, want in zip(table[b, h], lines):  # the longest run of FULL blocks, the first of a tie
+                    best = (0, 0)
+                    for first in range(len(want)):
+                        for last in range(first + 1, len(want) + 1):
+                            if want[first:last].all() and last - first > best[1] - best[0]:
+                                best = (first, last)
+                    assert tuple(line) == best
     assert 0 < bm.sparsity() < 1 and bm.visited() >= 1 - bm.sparsity()
-    assert bm.params() == {"bm_size": 16, "bm_nqb": 7, "bm_nkb": 5, "bm_bb": 2, "bm_hb": 3}
+    assert (bm.full_kv[..., 1] > bm.full_kv[..., 0]).any() and bm.full_kv.dtype == bm.full_q.dtype == np.int32
+    assert bm.params() == {"bm_size": 16, "bm_nqb": 7, "bm_nkb": 5, "bm_bb": 2, "bm_hb": 3, "bm_magic": 2**31,
+                           "bm_magic_shift": 35}  # fmt: skip
+
     # the mean keys a query row's tile loop visits (the forward's kernel choice, plans.wgmma), counted here per block
     # row: from its first block to its last (clipped to Nk), and that cut at the causal rule's last key of the row
     full, causal = [], []
@@ -309,6 +321,16 @@ def test_block_mask_reference_counts_tiles(rng):
                 causal.append(max(min(last, causal_end) - first, 0))
     assert bm.visited_keys == round(np.mean(full)) and bm.visited_keys_causal == round(np.mean(causal))
     assert 0 < bm.visited_keys_causal < bm.visited_keys
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3, 7, 16, 24, 48, 64, 100, 128, 1000, 4096, 65537])
+def test_block_divisor_is_exact(bs, rng):
+    """FlexMask's block index (x * m) >> s is x // bs for every int32 index, with m fitting the params' uint32."""
+    m, s = block_divisor(bs)
+    assert 0 < m < 2**32
+    x = np.concatenate([np.arange(3 * bs), rng.integers(0, 2**31, 20000), 2**31 - 1 - np.arange(3 * bs)])
+    x = x[x >= 0].astype(object)  # Python ints: the kernel's 64-bit product exactly
+    np.testing.assert_array_equal((x * m) >> s, x // bs)
 
 
 def test_block_mask_visited_keys_reach_the_variant():
@@ -353,7 +375,8 @@ def test_full_tiles_rule(bs, rng):
                     assert every or not full[0, h, i, j], (rows, cols, h, i, j)
                     if aligned:
                         assert full[0, h, i, j] == every, (rows, cols, h, i, j)
-    assert bm.pointers()["bm_state"] is bm.states
+    ptrs = bm.pointers()
+    assert ptrs["bm_full_kv"] is bm.full_kv and ptrs["bm_full_q"] is bm.full_q and ptrs["bm_kv"] is bm.kv_range
 
 
 def test_block_mask_moves_mask_mod_into_the_mask_policy():
@@ -399,11 +422,14 @@ def test_block_mask_does_not_change_numpy_results(rng):
 
 @needs_nvrtc
 def test_block_mask_kernel_compiles():
-    """create_block_mask's generated kernel (the User struct + one block per tile) builds for sm_80 without spills."""
-    from cupyflash.flex_block_mask import _STATES_KERNEL
+    """create_block_mask's generated kernel (the User struct + one block per tile) and its full-runs kernel build for
+    sm_80 without spills."""
+    from cupyflash.flex_block_mask import _STATES_KERNEL, RUNS_SOURCE
     from cupyflash.kernels import build
 
     spec = flex.FlexSpec(mask_mod="doc(b, q_idx) == doc(b, kv_idx)", aux=(flex.AuxSlot("doc", "int", 2),))
     source = build.generated_source("block_mask", spec.key, flex.generate(spec) + _STATES_KERNEL)
     usage = build.nvrtc_compile(source, "cf_block_states", "sm_80")
+    assert usage.registers > 0 and not usage.spills
+    usage = build.nvrtc_compile(RUNS_SOURCE, "cf_full_runs", "sm_80")  # the full runs: one source for every mask
     assert usage.registers > 0 and not usage.spills

@@ -235,6 +235,8 @@ def test_snippets(kernel, dtype_name, case, rng):
         np.testing.assert_array_equal(cupy.asnumpy(bm.states), twin_bm.states)
         np.testing.assert_array_equal(cupy.asnumpy(bm.kv_range), twin_bm.kv_range)
         np.testing.assert_array_equal(cupy.asnumpy(bm.q_range), twin_bm.q_range)
+        np.testing.assert_array_equal(cupy.asnumpy(bm.full_kv), twin_bm.full_kv)
+        np.testing.assert_array_equal(cupy.asnumpy(bm.full_q), twin_bm.full_q)
         assert bm.sparsity() > 0
     # prefix-lm runs with its block mask only; doc-t5 without and with (equal results); softcap-alibi has none
     got = run_family(kernel, qd, kd, vd, dod, causal, cppd, block_mask=bm if case == "prefix-lm" else None)

@@ -98,6 +98,8 @@ def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
     twin_bm = cupyflash.create_block_mask(twin["mask_mod"], b, hq, nq, nk, block_size=block)
     states = cupy.asnumpy(bm.states)
     np.testing.assert_array_equal(states, twin_bm.states)
+    for name in ("full_kv", "full_q"):
+        np.testing.assert_array_equal(cupy.asnumpy(getattr(bm, name)), getattr(twin_bm, name))
     for state in (EMPTY, PARTIAL, FULL):  # every (b, h) mixes the three
         assert (states == state).any(axis=(2, 3)).all(), f"state {state} missing in some (b, h)"
     for h in range(0, hq, 2):  # the query heads of a GQA group have different tables in every batch
@@ -112,7 +114,7 @@ def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
 @pytest.mark.parametrize("kernel, dtype_name", [("portable", "float32"), ("mma", "bfloat16"),
                                                 pytest.param("wgmma", "float16", marks=_hopper)])  # fmt: skip
 def test_full_blocks_skip_mask_mod(kernel, dtype_name, rng):
-    """The skip itself: a block mask whose every block claims FULL (its states and ranges overwritten) makes every
+    """The skip itself: a block mask whose every block claims FULL (its states, ranges and runs overwritten) makes every
     kernel run no mask_mod at all, so the result is plain causal attention although mask_mod hides most pairs. (The
     kernels of the causal case above: no new compile.)"""
     dtype = DTYPES[dtype_name]
@@ -126,6 +128,8 @@ def test_full_blocks_skip_mask_mod(kernel, dtype_name, rng):
     bm.states[...] = FULL
     bm.kv_range[..., 0], bm.kv_range[..., 1] = 0, bm.states.shape[3]
     bm.q_range[..., 0], bm.q_range[..., 1] = 0, bm.states.shape[2]
+    bm.full_kv[...] = bm.kv_range
+    bm.full_q[...] = bm.q_range
     o, lse, dq, dk, dv = run_family(kernel, qd, kd, vd, dod, True, cppd, block_mask=bm)
     o_ref, lse_ref = reference.attention_forward(q, k, v, True)
     g_ref = reference.attention_backward(do, q, k, v, o_ref, lse_ref, True)[:3]

@@ -282,6 +282,26 @@ def test_ws_unsupported_gives_reasons_and_falls_back():
             plans.plan_forward(1, 2, 100, 64, "__half", H100, plans.WS_FORWARD_CONFIGS[64], variant=v)
 
 
+def test_narrow_windows_keep_the_lockstep_forward_at_d64():
+    """lockstep_by_default for sliding windows: at D = 64 a window of fewer than WS_MIN_WINDOW_KEYS_D64 keys a row
+    (both sides bounded; causal is right = 0) keeps the lockstep kernel, a wider or one-sided-unbounded one takes the
+    warp-specialised forward; D = 128 always takes it."""
+    narrow = plans.WS_MIN_WINDOW_KEYS_D64 - 1
+    cases = [  # (variant, head dim, warp-specialised?)
+        (Variant.of(True, (narrow - 1, 0), 0.0, False, False), 64, False),  # left + 1 keys
+        (Variant.of(True, (narrow, 0), 0.0, False, False), 64, True),
+        (Variant.of(False, (100, narrow - 101), 0.0, False, False), 64, False),  # left + right + 1
+        (Variant.of(False, (100, narrow - 100), 0.0, False, False), 64, True),
+        (Variant.of(False, (100, -1), 0.0, False, False), 64, True),  # unbounded on the right
+        (Variant.of(True, (255, 0), 30.0, True, False), 64, False),  # softcap and ALiBi alike
+        (Variant.of(True, (255, 0), 0.0, False, False), 128, True),
+    ]
+    for v, d, ws in cases:
+        assert plans.lockstep_by_default(d, 16384, v) is not ws, (v, d)
+        want = (plans.WS_FORWARD_CONFIGS if ws else plans.FORWARD_CONFIGS)[d]
+        assert plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=v).config == want, (v, d)
+
+
 def test_snippets_take_the_ws_forward_with_a_block_mask_that_visits_many_keys():
     """lockstep_by_default for user snippets: a mask_mod with its block mask runs on the warp-specialised forward at
     D = 128, and at D = 64 where its rows visit WS_MIN_BLOCK_KEYS_D64 keys or more on average (the measured cases);

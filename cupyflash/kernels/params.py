@@ -26,7 +26,7 @@ POINTERS: tuple[str, ...] = (
     "dq_turns",
     "aux0", "aux1", "aux2", "aux3", "aux4", "aux5", "aux6", "aux7",  # user snippets' aux arrays (issue 17)
     "bm_kv", "bm_q",  # block masks (issue 17)
-    "bm_state",  # block masks' tile states (issue 17 speed: full tiles skip mask_mod)
+    "bm_full_kv", "bm_full_q",  # block masks' runs of FULL blocks (issue 17 speed: full tiles skip mask_mod)
     "kv_part",  # float32 backward's query parts: partial dK/dV (plans.mma.query_parts)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
@@ -75,6 +75,8 @@ PARAMS = np.dtype(
         ("bm_nkb", "<i4"),
         ("bm_bb", "<i4"),
         ("bm_hb", "<i4"),
+        ("bm_magic", "<u4"),
+        ("bm_magic_shift", "<i4"),
         # dbias stores (issue 17 speed): 1 = dbias is the output, one element per pair (no atomics)
         ("dbias_direct", "<i4"),
         # deterministic backward (issue 16, turns v2): heads per group of the key-major grid order

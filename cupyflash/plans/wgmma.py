@@ -117,6 +117,11 @@ WS_MIN_CAUSAL_ROWS_D64 = 2048
 #: 0.77x; prefix-LM (non-causal, 8728) 1.21-1.25x. D = 128 (two consumers, the lockstep kernel's tile) gains at
 #: every one of them: 1.13-1.19x.
 WS_MIN_BLOCK_KEYS_D64 = 4096
+#: D = 64 calls with a sliding window narrower than this (left + right + 1 keys, both sides bounded) keep the lockstep
+#: kernel, for the same reason. Measured (dev_flex_ws.py, H200, bf16, N = 16k, H = 32, causal windows; lockstep ms /
+#: ws ms): 256 keys 0.208 / 0.275 (lockstep 1.32x), 1024 0.478 / 0.475, 4096 1.447 / 1.271 (ws 1.14x); D = 128: ws
+#: 1.07-1.12x at all three.
+WS_MIN_WINDOW_KEYS_D64 = 1024
 
 
 def ws_unsupported(variant: Variant) -> str | None:
@@ -129,15 +134,17 @@ def ws_unsupported(variant: Variant) -> str | None:
 
 def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
     """Does a call that both forwards can run get the lockstep kernel by default? D = 64 calls whose query tiles
-    meet few key tiles (the two rules above), and user snippets other than a mask_mod with its block mask, which the
+    meet few key tiles (the three rules above), and user snippets other than a mask_mod with its block mask, which the
     ws kernel has not been timed with (a score_mod, or a mask_mod on every element; at D = 64 its consumers spill
     668-840 B with a score_mod, tests/test_compile.py)."""
     if variant.flex is not None and (not variant.block_keys or getattr(variant.flex, "score_mod", None)):
         return True
     if padded_head_dim(d) != 64:
         return False
-    if variant.block_keys:
+    if variant.block_keys:  # (counted under the call's window too: BlockMask.keys_a_row)
         return variant.block_keys < WS_MIN_BLOCK_KEYS_D64
+    if variant.window is not None and min(variant.window) >= 0:
+        return sum(variant.window) + 1 < WS_MIN_WINDOW_KEYS_D64
     return variant.causal and nq < WS_MIN_CAUSAL_ROWS_D64
 
 
