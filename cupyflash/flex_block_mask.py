@@ -3,8 +3,8 @@
 ``create_block_mask(mask_mod, B, H, Nq, Nk, aux=None, block_size=64)`` evaluates the mask once per
 ``block_size x block_size`` tile of every (b, h) and records each tile as empty (0), partial (1) or full (2)
 (``BlockMask.states``). With CuPy it runs a small generated kernel (one thread block per tile) compiled from the
-same snippet text as the attention kernels; with a Python callable (the snippet's twin) it runs in NumPy, the
-reference of the CPU tests.
+same snippet text as the attention kernels, then ``block_mask_runs.cu`` for the full runs below; with a Python
+callable (the snippet's twin) it runs in NumPy, the reference of the CPU tests.
 
 Passing ``block_mask=`` with the same ``mask_mod`` (and aux) to an attention call narrows every kernel tile loop
 to the blocks between the first and the last non-empty one of its rows (forwards) or columns (backwards)
@@ -221,9 +221,9 @@ def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) ->
     return np.where(tiles == 0, EMPTY, np.where(tiles == size, FULL, PARTIAL)).astype(np.uint8)
 
 
-#: The generated kernel: one thread block per tile; each thread ORs and ANDs its elements' mask, then the block.
 #: The full runs' kernel (BlockMask.full_kv / full_q from the states): one source for every snippet.
 RUNS_SOURCE = "block_mask_runs.cu"
+#: The generated kernel: one thread block per tile; each thread ORs and ANDs its elements' mask, then the block.
 _STATES_KERNEL = r"""
 __global__ void cf_block_states(const __grid_constant__ cupyflash::AttentionParams p) {
   const int bs = p.bm_size, nqb = p.bm_nqb, nkb = p.bm_nkb;
@@ -269,13 +269,13 @@ def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: in
     Params.write_pointers(launch.buffer, Params.pointer_values({"o": states.data.ptr, **{
         n: a.data.ptr for n, a in flex.aux_arrays(aux).items()}}))  # fmt: skip
     launch.fire(cupy.cuda.get_current_stream().ptr)
-    runs = build.get_function(RUNS_SOURCE, "cf_full_runs")
+    full_runs = build.get_function(RUNS_SOURCE, "cf_full_runs")
     out = []
-    for lines, per, n, inner, step in ((nqb, nqb, nkb, nkb, 1), (nkb, nkb, nqb, 1, nkb)):  # rows, then columns
+    for lines, n, inner, step in ((nqb, nkb, nkb, 1), (nkb, nqb, 1, nkb)):  # block rows, then block columns
         table = cupy.empty((bb, hb, lines, 2), dtype=np.int32)
         total = bb * hb * lines
-        runs(((total + 255) // 256,), (256,), (states, table, np.int64(total), np.int32(per), np.int32(n),
-                                               np.int64(nqb * nkb), np.int64(inner), np.int64(step)))  # fmt: skip
+        full_runs(((total + 255) // 256,), (256,), (states, table, np.int64(total), np.int32(lines), np.int32(n),
+                                                    np.int64(nqb * nkb), np.int64(inner), np.int64(step)))  # fmt: skip
         out.append(table)
     return states, (out[0], out[1])
 
