@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dev_ws_ab import per_call_ms  # noqa: E402
 
-CASES = ("doc2", "doc4", "doc8", "doc16", "prefix-lm", "window256", "window1024", "window4096")
+CASES = ("doc2", "doc4", "doc8", "doc16", "prefix-lm", "window256", "window384", "window512", "window768", "window1024",
+         "window4096")
 
 
 def keywords(case: str, shape, x: dict) -> tuple[bool, dict, float]:
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     a = ap.parse_args()
     original = wgmma.ws_unsupported
-    saved = {n: getattr(wgmma, n) for n in ("WS_MIN_BLOCK_KEYS_D64", "WS_MIN_CAUSAL_ROWS_D64") if hasattr(wgmma, n)}
+    saved = {n: getattr(wgmma, n) for n in ("WS_MIN_BLOCK_KEYS_D64", "WS_MIN_CAUSAL_ROWS_D64", "WS_MIN_WINDOW_KEYS_D64") if hasattr(wgmma, n)}
 
     def use(mode: str) -> None:
         if mode == "lockstep":
