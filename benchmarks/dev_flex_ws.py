@@ -55,7 +55,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     a = ap.parse_args()
     original = wgmma.ws_unsupported
-    saved = {n: getattr(wgmma, n) for n in ("WS_MIN_BLOCK_KEYS_D64", "WS_MIN_CAUSAL_ROWS_D64", "WS_MIN_WINDOW_KEYS_D64") if hasattr(wgmma, n)}
+    rules = ("WS_MIN_BLOCK_KEYS_D64", "WS_MIN_CAUSAL_ROWS_D64", "WS_MIN_WINDOW_KEYS_D64")
+    saved = {n: getattr(wgmma, n) for n in rules if hasattr(wgmma, n)}
 
     def use(mode: str) -> None:
         if mode == "lockstep":
