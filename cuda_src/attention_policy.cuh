@@ -50,6 +50,20 @@ struct Range {
   int begin, end;
 };
 
+// The union of r over the warp's active lanes (r itself where they agree, as for a block's tile range), which ptxas
+// then knows to be warp-uniform: REDUX (sm_80 and later) writes a uniform register. A range computed from values
+// read from memory (block masks' tables) is a per-thread value to ptxas, and a tile loop bounded by it did its index
+// and descriptor arithmetic on the vector pipe instead of the uniform datapath (s22: ~100 more instructions a
+// wgmma backward step).
+__device__ __forceinline__ Range uniform_range(Range r) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned lanes = __activemask();
+  return {__reduce_min_sync(lanes, r.begin), __reduce_max_sync(lanes, r.end)};
+#else
+  return r;
+#endif
+}
+
 // The tiles of `tile` indices that cover r: [first, last) in tile units ({0, 0} when r is empty).
 __device__ __forceinline__ Range tiles_covering(Range r, int tile) {
   if (r.end <= r.begin) return {0, 0};

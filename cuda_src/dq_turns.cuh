@@ -36,10 +36,16 @@ __device__ __forceinline__ int* dq_turn_slot(const AttentionParams& p, int b, in
   return p.dq_turns + (static_cast<long long>(b) * p.hq + h) * tiles + i0 / Br;
 }
 
+// Masks whose calls never take turns (kNoDQTurns: block masks, whose key tiles need not form one run; the API
+// refuses deterministic=True with them) compile no turn arithmetic: it sat in the backwards' steps, cold but
+// taking registers and the uniform datapath's place (s22).
+CUPYFLASH_POLICY_FLAG(NoDQTurns, kNoDQTurns);
+
 // This key tile's turn on query tile [i0, i0 + Br): how many key tiles of Bc keys after it visit it.
 template <int Br, int Bc, class Mask>
 __device__ __forceinline__ int dq_turn_of(const Mask& mask, int i0, int j0) {
-  return (mask.keys_of(i0, i0 + Br).end - 1) / Bc - j0 / Bc;
+  if constexpr (NoDQTurns<Mask>::value) return 0;
+  else return (mask.keys_of(i0, i0 + Br).end - 1) / Bc - j0 / Bc;
 }
 
 // The deterministic backward's grid order: heads in groups of p.dq_head_group, each group's blocks grid tile

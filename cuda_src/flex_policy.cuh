@@ -129,6 +129,7 @@ namespace cupyflash {
 // the union over the kv head's group of query heads.
 template <class Base>
 struct BlockMasked {
+  static constexpr bool kNoDQTurns = true;  // deterministic=True with a block mask is refused (dq_turns.cuh)
   Base base;
   const AttentionParams* P;
   __device__ BlockMasked(const AttentionParams& p, int nq, int nk) : base(p, nq, nk), P(&p) {}
@@ -163,7 +164,7 @@ struct BlockMasked {
       if (p.bm_hb == 1) break;
     }
     const Range out = {max(r.begin, lo >= hi ? 0 : lo * s), min(r.end, lo >= hi ? 0 : hi * s)};
-    return out.end > out.begin ? out : Range{0, 0};
+    return uniform_range(out.end > out.begin ? out : Range{0, 0});  // read from memory: uniform only by REDUX
   }
 };
 
