@@ -7,7 +7,8 @@ overtaken (a wait, or an asynchronous wgmma between its issue and its wait). mba
 named barriers count arrivals (a warpgroup is one unit of the 256 threads) and complete a generation at 2. Checked:
 every interleaving ends (no deadlock); a product reads a slot only once the tile it wants has landed there and been
 published; the producer never starts copies into a slot a product is still reading; every turn barrier ends
-balanced. Keep it in step with the kernel when the protocol changes.
+balanced. Keep it in step with the kernel when the protocol changes. PersistentBlock (below) models the persistent
+form designed in benchmarks/NOTES.md (several query tiles a block), ahead of its kernel.
 """
 from __future__ import annotations
 
@@ -192,3 +193,173 @@ def test_model_finds_the_deadlock_one_stage_would_have():
     slot is free, which the consumers free only in the step that needs K_1."""
     with pytest.raises(AssertionError, match="deadlock"):
         run(3, 1, 2, random.Random(0))
+
+
+# ---------------------------------------------------------------------------- a persistent block (design, s22)
+# benchmarks/NOTES.md, "A persistent ws forward" (s21): one block takes several items (query tiles) in turn. The
+# ring's tile index runs on across items, so its slots and parities follow the running index; Q_i rides in the
+# first K tile's group of its item; a Q_EMPTY mbarrier (one arrival per consumer, after its item's last S product
+# has completed) lets the producer copy the next item's Q; turns continue across items (only the block's first turn
+# skips consumer 0's sync and only its last skips the last consumer's arrival); items without key tiles take no
+# turns and no copies anywhere. Not in the kernel yet: this model checks the protocol before it is written. Simplest
+# form: the item's last V published at its end (publish<0>), the next item's copies start after its Q_EMPTY wait.
+
+
+class PersistentBlock(Block):
+    def __init__(self, items: list[int], stages: int, consumers: int):
+        super().__init__(sum(items), stages, consumers)
+        self.items = [n for n in items if n > 0]  # an item without key tiles is skipped by every agent alike
+        self.q_empty = MBarrier(consumers)
+        self.q, self.q_readers = None, 0  # ("writing" | "ready", item) of the Q buffer
+
+    def q_free(self, i: int):
+        """The producer's wait before copying item i's Q: the previous item's S products have all completed."""
+        if i > 0:
+            yield from wait(self.q_empty, (i - 1) & 1)
+
+    def producer(self):
+        first = 0  # the running index of the item's first tile
+        for i, n in enumerate(self.items):
+            yield from self.q_free(i)
+            assert self.q_readers == 0, f"Q_{i} copied while Q_{i - 1} is read"
+            self.q = ("writing", i)
+            for t in range(first, first + n):
+                s = self.slot(t)
+                yield from wait(self.empty_k[s], self.fill_parity(t) ^ 1)
+                assert self.readers_k[s] == 0, f"K_{t} copied into a slot still read"
+                self.k[s] = ("writing", t)
+                yield
+                if t > first:  # publish<1>: V_{t-1} has landed
+                    self.v[self.slot(t - 1)] = ("ready", t - 1)
+                    self.full_v[self.slot(t - 1)].arrive()
+                yield from wait(self.empty_v[s], self.fill_parity(t) ^ 1)
+                assert self.readers_v[s] == 0, f"V_{t} copied into a slot still read"
+                self.v[s] = ("writing", t)
+                yield
+                if t == first:
+                    self.q = ("ready", i)  # Q rides in the item's first K group
+                self.k[s] = ("ready", t)
+                self.full_k[s].arrive()
+            last = first + n - 1  # publish<0> at the item's end: its last V
+            self.v[self.slot(last)] = ("ready", last)
+            self.full_v[self.slot(last)].arrive()
+            first += n
+
+    def consumer(self, c):
+        last_consumer = c == self.consumers - 1
+        own, nxt = self.turn[c], self.turn[(c + 1) % self.consumers]
+        turns = sum(n + 1 for n in self.items)  # an item: S_0, then S_t with P_{t-1} V_{t-1}, then the last P V
+        taken = 0
+
+        def turn_begin():
+            if taken > 0 or c != 0:
+                yield from own.sync()
+
+        def turn_end():
+            if taken < turns - 1 or not last_consumer:
+                nxt.arrive()
+
+        def read_k(t, i):
+            assert self.k[self.slot(t)] == ("ready", t), f"S_{t} read {self.k[self.slot(t)]}"
+            assert self.q == ("ready", i), f"S_{t} of item {i} read Q {self.q}"
+            self.readers_k[self.slot(t)] += 1
+            self.q_readers += 1
+
+        def read_v(t):
+            assert self.v[self.slot(t)] == ("ready", t), f"P V_{t} read {self.v[self.slot(t)]}"
+            self.readers_v[self.slot(t)] += 1
+
+        def done_k(t):
+            self.readers_k[self.slot(t)] -= 1
+            self.q_readers -= 1
+            self.empty_k[self.slot(t)].arrive()
+
+        def done_v(t):
+            self.readers_v[self.slot(t)] -= 1
+            self.empty_v[self.slot(t)].arrive()
+
+        first = 0
+        for i, n in enumerate(self.items):
+            last = first + n - 1
+            yield from wait(self.full_k[self.slot(first)], self.fill_parity(first))
+            yield from turn_begin()
+            read_k(first, i)
+            turn_end()
+            taken += 1
+            yield
+            done_k(first)
+            for t in range(first + 1, first + n):
+                yield from wait(self.full_k[self.slot(t)], self.fill_parity(t))
+                yield from wait(self.full_v[self.slot(t - 1)], self.fill_parity(t - 1))
+                yield from turn_begin()
+                read_k(t, i)
+                read_v(t - 1)
+                turn_end()
+                taken += 1
+                yield
+                done_k(t)
+                yield
+                done_v(t - 1)
+            self.q_empty.arrive()  # the item's last S product has completed: Q is free
+            yield from wait(self.full_v[self.slot(last)], self.fill_parity(last))
+            yield from turn_begin()
+            read_v(last)
+            turn_end()
+            taken += 1
+            yield
+            done_v(last)  # then O and lse go out from registers (no shared memory)
+            first += n
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_persistent_protocol_ends_and_orders_every_interleaving(stages, consumers):
+    """Items of random tile counts (0 included) in one block: no deadlock, no slot or Q read before it landed or
+    overwritten while read, every turn barrier balanced."""
+    rng = random.Random(7000 + 10 * stages + consumers)
+    for _ in range(150):
+        items = [rng.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 5))]
+        blk = PersistentBlock(items, stages, consumers)
+        interleave(blk, rng, f": items={items}, stages={stages}, consumers={consumers}")
+        assert all(b.arrived == 0 for b in blk.turn), f"a turn barrier ends unbalanced: items={items}"
+        assert sum(blk.readers_k) == sum(blk.readers_v) == blk.q_readers == 0
+
+
+def test_persistent_model_catches_an_early_q_copy():
+    """The Q_EMPTY wait is needed: a producer that copies the next item's Q without it overwrites a Q still read."""
+    class Eager(PersistentBlock):
+        def q_free(self, i: int):
+            yield
+
+    rng = random.Random(11)
+    with pytest.raises(AssertionError, match="copied while|read Q"):
+        for _ in range(300):
+            interleave(Eager([3, 4, 2], 3, 2), rng)
+
+
+def test_persistent_model_needs_turns_to_run_on_across_items():
+    """Restarting the turns per item (the one-item kernel's skips at every item's first and last turn) breaks the
+    barriers once a block has two items: consumer 0's unsynced first turn of the next item can arrive twice on a
+    barrier the last consumer has not synced on yet (the model's turns alone, no copies)."""
+    class PerItemTurns(PersistentBlock):
+        def consumer(self, c):
+            for n in self.items:  # each item's n + 1 turns with the one-item skips, on the same turn barriers
+                yield from self._solo_turns(c, n)
+
+        def _solo_turns(self, c, n):
+            own, nxt = self.turn[c], self.turn[(c + 1) % self.consumers]
+            for k in range(n + 1):
+                if k > 0 or c != 0:
+                    yield from own.sync()
+                if k < n or c != self.consumers - 1:
+                    nxt.arrive()
+                yield
+
+        def producer(self):
+            return
+            yield
+
+    rng = random.Random(5)
+    with pytest.raises(AssertionError, match="deadlock"):
+        for _ in range(50):
+            interleave(PerItemTurns([2, 3], 3, 2), rng)
