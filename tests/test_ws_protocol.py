@@ -206,6 +206,8 @@ def test_model_finds_the_deadlock_one_stage_would_have():
 
 
 class PersistentBlock(Block):
+    late_q_release = False  # True: Q_EMPTY after the item's last P V (the wrong place; a test shows why)
+
     def __init__(self, items: list[int], stages: int, consumers: int):
         super().__init__(sum(items), stages, consumers)
         self.items = [n for n in items if n > 0]  # an item without key tiles is skipped by every agent alike
@@ -300,7 +302,8 @@ class PersistentBlock(Block):
                 done_k(t)
                 yield
                 done_v(t - 1)
-            self.q_empty.arrive()  # the item's last S product has completed: Q is free
+            if not self.late_q_release:
+                self.q_empty.arrive()  # the item's last S product has completed: Q is free
             yield from wait(self.full_v[self.slot(last)], self.fill_parity(last))
             yield from turn_begin()
             read_v(last)
@@ -308,18 +311,55 @@ class PersistentBlock(Block):
             taken += 1
             yield
             done_v(last)  # then O and lse go out from registers (no shared memory)
+            if self.late_q_release:
+                self.q_empty.arrive()
             first += n
+
+
+class ChainedPersistentBlock(PersistentBlock):
+    """The form that overlaps items: the producer's publish chain runs on across items as over one long item (no
+    publish<0> at an item's end), so it issues the next item's Q and first K while the previous item's last V is
+    still landing; Q_i joins its first K group after the Q_EMPTY wait, which the consumers pass without that V."""
+
+    def producer(self):
+        first, t = 0, 0  # t: the running tile index
+        for i, n in enumerate(self.items):
+            yield from self.q_free(i)
+            assert self.q_readers == 0, f"Q_{i} copied while Q_{i - 1} is read"
+            self.q = ("writing", i)
+            for t in range(first, first + n):
+                s = self.slot(t)
+                yield from wait(self.empty_k[s], self.fill_parity(t) ^ 1)
+                assert self.readers_k[s] == 0, f"K_{t} copied into a slot still read"
+                self.k[s] = ("writing", t)
+                yield
+                if t > 0:  # publish<1>: V_{t-1} has landed, of this item or the one before
+                    self.v[self.slot(t - 1)] = ("ready", t - 1)
+                    self.full_v[self.slot(t - 1)].arrive()
+                yield from wait(self.empty_v[s], self.fill_parity(t) ^ 1)
+                assert self.readers_v[s] == 0, f"V_{t} copied into a slot still read"
+                self.v[s] = ("writing", t)
+                yield
+                if t == first:
+                    self.q = ("ready", i)
+                self.k[s] = ("ready", t)
+                self.full_k[s].arrive()
+            first += n
+        if self.items:  # publish<0>: the block's last V
+            self.v[self.slot(t)] = ("ready", t)
+            self.full_v[self.slot(t)].arrive()
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_persistent_protocol_ends_and_orders_every_interleaving(stages, consumers):
-    """Items of random tile counts (0 included) in one block: no deadlock, no slot or Q read before it landed or
-    overwritten while read, every turn barrier balanced."""
+    """Items of random tile counts (0 included) in one block, in both forms (an item's last V published at its end,
+    or the publish chain running on across items): no deadlock, no slot or Q read before it landed or overwritten
+    while read, every turn barrier balanced."""
     rng = random.Random(7000 + 10 * stages + consumers)
-    for _ in range(150):
+    for k in range(300):
         items = [rng.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 5))]
-        blk = PersistentBlock(items, stages, consumers)
+        blk = (PersistentBlock, ChainedPersistentBlock)[k % 2](items, stages, consumers)
         interleave(blk, rng, f": items={items}, stages={stages}, consumers={consumers}")
         assert all(b.arrived == 0 for b in blk.turn), f"a turn barrier ends unbalanced: items={items}"
         assert sum(blk.readers_k) == sum(blk.readers_v) == blk.q_readers == 0
@@ -327,7 +367,7 @@ def test_persistent_protocol_ends_and_orders_every_interleaving(stages, consumer
 
 def test_persistent_model_catches_an_early_q_copy():
     """The Q_EMPTY wait is needed: a producer that copies the next item's Q without it overwrites a Q still read."""
-    class Eager(PersistentBlock):
+    class Eager(ChainedPersistentBlock):
         def q_free(self, i: int):
             yield
 
@@ -363,3 +403,13 @@ def test_persistent_model_needs_turns_to_run_on_across_items():
     with pytest.raises(AssertionError, match="deadlock"):
         for _ in range(50):
             interleave(PerItemTurns([2, 3], 3, 2), rng)
+
+
+def test_chained_persistent_protocol_needs_q_free_before_the_last_v():
+    """In the chained form the producer publishes an item's last V only after the next item's Q_EMPTY wait, so the
+    consumers must release Q before they wait for that V (after the last S product), not after the last P V."""
+    class Late(ChainedPersistentBlock):
+        late_q_release = True
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        interleave(Late([2, 2], 2, 2), random.Random(3))
