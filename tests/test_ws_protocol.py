@@ -206,6 +206,7 @@ def test_model_finds_the_deadlock_one_stage_would_have():
 
 
 class PersistentBlock(Block):
+    chained = False  # True: ChainedPersistentBlock's publish chain across items
     late_q_release = False  # True: Q_EMPTY after the item's last P V (the wrong place; a test shows why)
 
     def __init__(self, items: list[int], stages: int, consumers: int):
@@ -219,6 +220,10 @@ class PersistentBlock(Block):
         if i > 0:
             yield from wait(self.q_empty, (i - 1) & 1)
 
+    def publish_v(self, t: int) -> None:
+        self.v[self.slot(t)] = ("ready", t)
+        self.full_v[self.slot(t)].arrive()
+
     def producer(self):
         first = 0  # the running index of the item's first tile
         for i, n in enumerate(self.items):
@@ -231,9 +236,8 @@ class PersistentBlock(Block):
                 assert self.readers_k[s] == 0, f"K_{t} copied into a slot still read"
                 self.k[s] = ("writing", t)
                 yield
-                if t > first:  # publish<1>: V_{t-1} has landed
-                    self.v[self.slot(t - 1)] = ("ready", t - 1)
-                    self.full_v[self.slot(t - 1)].arrive()
+                if t > (0 if self.chained else first):  # publish<1>: V_{t-1} (chained: maybe the last item's)
+                    self.publish_v(t - 1)
                 yield from wait(self.empty_v[s], self.fill_parity(t) ^ 1)
                 assert self.readers_v[s] == 0, f"V_{t} copied into a slot still read"
                 self.v[s] = ("writing", t)
@@ -242,10 +246,9 @@ class PersistentBlock(Block):
                     self.q = ("ready", i)  # Q rides in the item's first K group
                 self.k[s] = ("ready", t)
                 self.full_k[s].arrive()
-            last = first + n - 1  # publish<0> at the item's end: its last V
-            self.v[self.slot(last)] = ("ready", last)
-            self.full_v[self.slot(last)].arrive()
             first += n
+            if not self.chained or i == len(self.items) - 1:  # publish<0>: the item's (chained: block's) last V
+                self.publish_v(first - 1)
 
     def consumer(self, c):
         last_consumer = c == self.consumers - 1
@@ -321,33 +324,7 @@ class ChainedPersistentBlock(PersistentBlock):
     publish<0> at an item's end), so it issues the next item's Q and first K while the previous item's last V is
     still landing; Q_i joins its first K group after the Q_EMPTY wait, which the consumers pass without that V."""
 
-    def producer(self):
-        first, t = 0, 0  # t: the running tile index
-        for i, n in enumerate(self.items):
-            yield from self.q_free(i)
-            assert self.q_readers == 0, f"Q_{i} copied while Q_{i - 1} is read"
-            self.q = ("writing", i)
-            for t in range(first, first + n):
-                s = self.slot(t)
-                yield from wait(self.empty_k[s], self.fill_parity(t) ^ 1)
-                assert self.readers_k[s] == 0, f"K_{t} copied into a slot still read"
-                self.k[s] = ("writing", t)
-                yield
-                if t > 0:  # publish<1>: V_{t-1} has landed, of this item or the one before
-                    self.v[self.slot(t - 1)] = ("ready", t - 1)
-                    self.full_v[self.slot(t - 1)].arrive()
-                yield from wait(self.empty_v[s], self.fill_parity(t) ^ 1)
-                assert self.readers_v[s] == 0, f"V_{t} copied into a slot still read"
-                self.v[s] = ("writing", t)
-                yield
-                if t == first:
-                    self.q = ("ready", i)
-                self.k[s] = ("ready", t)
-                self.full_k[s].arrive()
-            first += n
-        if self.items:  # publish<0>: the block's last V
-            self.v[self.slot(t)] = ("ready", t)
-            self.full_v[self.slot(t)].arrive()
+    chained = True
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
