@@ -20,9 +20,9 @@ PREFIX_MASK = "kv_idx < prefix || kv_idx <= q_idx"
 DOC_MASK = "doc(b, q_idx) == doc(b, kv_idx)"
 
 
-def instantiation(kernel: str, d: int, case: str) -> tuple[str, str]:
+def instantiation(kernel: str, d: int, case: str, bits: bool = False) -> tuple[str, str]:
     """(source, kernel name) of the wgmma kernel for a case: dense causal, or a --suite flex mask with its block
-    mask (FlexMask, the plain score)."""
+    mask (FlexMask, the plain score; ``bits``: FlexMask<..., true>, which reads the block mask's bits)."""
     from cupyflash import flex
     from cupyflash.kernels.build import generated_source
     from cupyflash.plans import wgmma as plans
@@ -36,7 +36,7 @@ def instantiation(kernel: str, d: int, case: str) -> tuple[str, str]:
         spec = flex.FlexSpec(mask_mod=DOC_MASK, aux=(flex.AuxSlot("doc", "int", 2),))
     else:
         spec = flex.FlexSpec(mask_mod=PREFIX_MASK, aux=(flex.AuxSlot("prefix", "int", 0),))
-    variant = Variant(causal=case == "doc8", flex=spec, block_mask=(("bm_size", 64),))
+    variant = Variant(causal=case == "doc8", flex=spec, block_mask=(("bm_size", 64),), block_bits=bits)
     source = generated_source(source, spec.key, flex.source_of(spec, source))
     return source, config.name("__nv_bfloat16", variant.cpp_policy)
 
@@ -110,11 +110,12 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--case", nargs="+", default=["causal", "prefix-lm"], choices=("causal", "prefix-lm", "doc8"))
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--bits", action="store_true", help="the block mask's bits (FlexMask<..., true>)")
     ap.add_argument("--dump", help="write each case's disassembly here")
     a = ap.parse_args()
     per_case = {}
     for case in a.case:
-        source, name = instantiation(a.kernel, a.d, case)
+        source, name = instantiation(a.kernel, a.d, case, a.bits)
         blob, log = cubin(source, name)
         code = disassemble(blob)
         lo, hi = largest_loop(code)

@@ -70,6 +70,12 @@ struct AttentionParams {
   // Tiles inside a run skip mask_mod.
   const int* bm_full_kv;
   const int* bm_full_q;
+  // Block masks' element bits (issue 17 speed, FlexMask<..., true>): per (b, h) and 64 x 64 bit tile (query tile,
+  // key tile) an index: >= 0 the slot of a mixed tile's bits, -1 every pair visible, -2 none; a slot's bits as 64
+  // words of 64 bits twice, one word per query row (bits_q: bit j = key 64 kt + j) and per key (bits_k).
+  const int* bm_bit_index;
+  const unsigned long long* bm_bits_q;
+  const unsigned long long* bm_bits_k;
   // Query parts (float32 backward, plans.mma.query_parts): f32 partial dK_j/dV_j of each part, q_parts x
   // {dK, dV} slabs of B * Hk * Nk rows of d floats, summed in part order by mma_bwd_kv_combine; nullptr: none.
   float* kv_part;

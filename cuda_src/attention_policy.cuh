@@ -210,6 +210,8 @@ CUPYFLASH_POLICY_FLAG(AlibiOnly, kAlibiOnly);
 // Does a mask hide every key past a query's diagonal (k > q + nk - nq)? Then ALiBi's |q + nk - nq - k| of a visible
 // pair is q + nk - nq - k (the forwards' alibi_strip_one_sided).
 CUPYFLASH_POLICY_FLAG(OneSided, kOneSided);
+// Does a mask read a partial strip's visibility as bits (FlexMask<..., true>: strip_words), in mma::mask_strip?
+CUPYFLASH_POLICY_FLAG(StripBits, kStripBits);
 
 // A cache hint for a kRows x kCols tile of a score-shaped array whose key axis is contiguous: rows q0.. and
 // elements k0.. (clipped to nq x nk; sq = 0: one row serves every query), from kThreads threads together (a warp,

@@ -176,10 +176,17 @@ struct BlockMasked {
 // BlockMasked's (the union over a key-major block's group of heads); visible and partial are those of one
 // (b, h), set by at_head, which every kernel calls next to the score's before asking partial or visible.
 // Pairs outside the problem (q >= nq: a tile's padded rows) are Base's alone: snippets never see them.
-template <class Base, class Fns>
+//
+// kBits: the block mask also holds mask_mod's value of every pair of its mixed 64 x 64 tiles as bits
+// (BlockMask.bits_q / bits_k, AttentionParams.bm_bit_index), and partial tiles read those instead of running
+// mask_mod: mask_strip (mma_softmax.cuh) loads each lane's two rows' words once a strip (strip_bits), then a
+// shift and a test a pair. (s23: per pair, mask_mod cost ~25 instructions and two dependent loads; the doc8
+// forward's partial tiles, 15% of its steps, took 40% of its time.)
+template <class Base, class Fns, bool kBits = false>
 struct FlexMask : BlockMasked<Base> {
   static_assert(Fns::kMask, "FlexMask evaluates a mask_mod");
-  static constexpr bool kPerHead = true;  // kernels call at_head (mask_at_head)
+  static constexpr bool kPerHead = true;    // kernels call at_head (mask_at_head)
+  static constexpr bool kStripBits = kBits;  // mask_strip reads strip_bits
   int fb = 0, fh = 0;  // the global batch index and query head of at_head
   int table = 0;       // the first line of this (b, h)'s tables, in (b, h) units (0 where the tables broadcast)
   // Does the tile of the last partial() call leave the full runs? Only then does visible() run mask_mod: a tile
@@ -196,10 +203,38 @@ struct FlexMask : BlockMasked<Base> {
     const AttentionParams& p = *this->P;
     if (!this->base.visible(q, k)) return false;
     if (!needs_mod || q >= p.nq) return true;
+    if constexpr (kBits) {  // one pair (the portable and decode kernels; mask_strip reads a strip's words at once)
+      const int nqt = (p.nq + 63) >> 6, nkt = (p.nk + 63) >> 6;  // (q < nq, and k < nk as Base shows it)
+      const int slot = __ldg(p.bm_bit_index + (static_cast<long long>(table) * nqt + (q >> 6)) * nkt + (k >> 6));
+      if (slot < 0) return slot == -1;
+      return (__ldg(p.bm_bits_q + 64LL * slot + (q & 63)) >> (k & 63)) & 1ull;
+    }
     int keep = Fns::mask_mod(p, fb, fh, q, k) ? 1 : 0;
     // As FlexScore: one element's aux loads are used before the next element's are issued.
     asm volatile("" : "+r"(keep) : : "memory");
     return keep != 0;
+  }
+  // kBits: the words of rows row and row + 8 (query rows, or keys with kKeyRows) over kChunks 64-column
+  // chunks from col0 & ~63 (columns: keys, or queries with kKeyRows), each shifted right by `shift`. Rows past the
+  // problem's tiles read all ones (Base decides there, as without bits).
+  template <bool kKeyRows, int kChunks>
+  __device__ __forceinline__ void strip_words(unsigned long long (&w)[2][kChunks], int row, int col0, int shift) const {
+    const AttentionParams& p = *this->P;
+    const int nqt = (p.nq + 63) >> 6, nkt = (p.nk + 63) >> 6;
+    const unsigned long long* bits = kKeyRows ? p.bm_bits_k : p.bm_bits_q;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int ct = (col0 >> 6) + c, rt = row >> 6;  // row and row + 8 share a tile (rows start at multiples of 16)
+      const int qt = kKeyRows ? ct : rt, kt = kKeyRows ? rt : ct;
+      int slot = -1;
+      if (qt < nqt && kt < nkt) slot = __ldg(p.bm_bit_index + (static_cast<long long>(table) * nqt + qt) * nkt + kt);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const unsigned long long word =
+            slot >= 0 ? __ldg(bits + 64LL * slot + ((row + 8 * r) & 63)) : slot == -1 ? ~0ull : 0ull;
+        w[r][c] = word >> shift;
+      }
+    }
   }
   __device__ __forceinline__ bool partial(int q0, int q1, int k0, int k1) const {
     needs_mod = !all_full(q0, q1, k0, k1);

@@ -28,9 +28,51 @@ __device__ __forceinline__ void score_elements(float (&s)[NT][4], int row0, int 
   }
 }
 
-// Set s to -inf where the mask hides a pair (a strip as in score_elements).
+// Set s to -inf where the mask hides a pair (a strip as in score_elements). A mask with its pairs as bits
+// (StripBits: FlexMask<..., true>) gives each lane its two rows' words over the strip's columns (one or two
+// 64-column chunks) once, shifted to the lane's first column, so a pair costs a shift and a test besides Base's
+// rule. Strips start at multiples of their width (16-128 columns), so they never straddle a chunk they do not fill.
 template <int NT, bool kKeyRows = false, class Mask>
 __device__ __forceinline__ void mask_strip(float (&s)[NT][4], int row0, int col0, const Mask& mask) {
+  if constexpr (StripBits<Mask>::value) {
+    if (mask.needs_mod) {
+      static_assert(NT == 2 || NT == 4 || NT == 8 || NT == 16, "strips of 16-128 columns");
+      constexpr int kChunks = NT > 8 ? NT / 8 : 1;  // 64-column chunks
+      // The chunks' words loaded together or one chunk at a time: whichever ptxas allocates without spilling
+      // (NVRTC 13.5, sm_90a: the forwards' D = 64 strips spill 84 B loaded together, the wgmma D = 64 backward's
+      // 84 B one at a time).
+      constexpr int kGroup = kKeyRows ? kChunks : 1;
+      const int lane = static_cast<int>(threadIdx.x) & 31;
+#pragma unroll
+      for (int c0 = 0; c0 < kChunks; c0 += kGroup) {
+        unsigned long long w64[2][kGroup];
+        mask.template strip_words<kKeyRows, kGroup>(w64, row0 + (lane >> 2), col0 + 64 * c0,
+                                                    (col0 & 63) + (lane & 3) * 2);
+        unsigned w[2][kGroup][2];  // 32-bit halves: a pair's test is then one 32-bit LOP3 on a compile-time bit
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int c = 0; c < kGroup; ++c) {
+            w[r][c][0] = static_cast<unsigned>(w64[r][c]);
+            w[r][c][1] = static_cast<unsigned>(w64[r][c] >> 32);
+          }
+        }
+#pragma unroll
+        for (int nn = 0; nn < kGroup * NT / kChunks; ++nn) {  // (a constant trip count: unrolled, s stays in registers)
+          const int n = c0 * NT / kChunks + nn;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = row0 + (lane >> 2) + (e >> 1) * 8;
+            const int col = col0 + n * 8 + (lane & 3) * 2 + (e & 1);
+            const int at = (n % 8) * 8 + (e & 1);  // a compile-time bit
+            const bool bit = w[e >> 1][nn / 8][at >> 5] & (1u << (at & 31));
+            if (!(bit && mask.base.visible(kKeyRows ? col : row, kKeyRows ? row : col))) s[n][e] = -CUDART_INF_F;
+          }
+        }
+      }
+      return;
+    }
+  }
   score_elements<NT, kKeyRows>(s, row0, col0,
                                [&](float x, int q, int k) { return mask.visible(q, k) ? x : -CUDART_INF_F; });
 }

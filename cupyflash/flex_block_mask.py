@@ -13,7 +13,10 @@ empty tile. mask_mod then runs only in partial tiles (``FlexMask``): a kernel ti
 longest run of FULL blocks of their block row or column (``BlockMask.full_kv`` / ``full_q``; ``full_tiles``) and
 that the built-in mask leaves whole runs as an unmasked tile (for document, prefix-LM and window masks every FULL
 block of a row or column is in that run). Interior empty tiles
-(a row whose visible blocks are not contiguous) are still visited, as partial tiles. The block size need not
+(a row whose visible blocks are not contiguous) are still visited, as partial tiles. In partial tiles the kernels
+read mask_mod's value of each pair from bits the mask keeps for its mixed 64 x 64 tiles (``bit_index``,
+``bits_q``, ``bits_k``; a second generated kernel, ``cf_block_bits``) instead of running mask_mod, unless those
+would take more than ``BITS_BUDGET``. The block size need not
 match any kernel's tiles: a kernel tile covering part of a block takes that block's whole range and state
 (conservative). ``B``/``H`` of ``None`` (or 1)
 make one table serve every batch / head (the mask must then not depend on ``b`` / ``h``).
@@ -27,6 +30,11 @@ import numpy as np
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 DEFAULT_BLOCK = 64
+#: The bits' tile edge (FlexMask::strip_words: one 64-bit word a row of a tile).
+BIT_TILE = 64
+#: The most bytes a block mask keeps as bits (1 KB a mixed tile, both orientations): 256 MB is a quarter of every
+#: pair of a 32k x 32k mask; masks with more mixed tiles than that run mask_mod per pair of their partial tiles.
+BITS_BUDGET = 256 << 20
 
 
 @dataclass(eq=False)
@@ -50,6 +58,15 @@ class BlockMask:
     #: the calls), for the forward's kernel choice (``keys_a_row``, plans.wgmma). 0: not known.
     visited_keys: int = 0
     visited_keys_causal: int = 0
+    #: mask_mod's value of every pair of the mixed 64 x 64 tiles (``BIT_TILE``), which partial kernel tiles read
+    #: instead of running mask_mod (``FlexMask<..., true>``): ``bit_index`` int32 (batch, heads, ceil(Nq / 64),
+    #: ceil(Nk / 64)), a mixed tile's slot, -1 where every pair of the tile is visible (or it holds none of the
+    #: problem's pairs), -2 where none is; ``bits_q`` / ``bits_k`` uint64 (slots * 64,): slot s's word r is query row
+    #: 64 qt + r over keys 64 kt.. (bit j: key 64 kt + j), resp. key 64 kt + r over queries; pairs outside the problem
+    #: read 1. None where the mixed tiles would take more than ``BITS_BUDGET`` bytes: mask_mod then runs per pair.
+    bit_index: Any = None
+    bits_q: Any = None
+    bits_k: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -94,8 +111,12 @@ class BlockMask:
         return out
 
     def pointers(self) -> dict[str, Any]:
-        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``, ``bm_full_kv``, ``bm_full_q``)."""
-        return {"bm_kv": self.kv_range, "bm_q": self.q_range, "bm_full_kv": self.full_kv, "bm_full_q": self.full_q}
+        """The params' pointer fields (``AttentionParams.bm_kv``, ``bm_q``, ``bm_full_kv``, ``bm_full_q``, and the
+        bits' ``bm_bit_index``, ``bm_bits_q``, ``bm_bits_k`` where there are bits)."""
+        out = {"bm_kv": self.kv_range, "bm_q": self.q_range, "bm_full_kv": self.full_kv, "bm_full_q": self.full_q}
+        if self.bits_q is not None:
+            out.update(bm_bit_index=self.bit_index, bm_bits_q=self.bits_q, bm_bits_k=self.bits_k)
+        return out
 
     def params(self) -> dict[str, int]:
         nqb, nkb = self.states.shape[-2:]
@@ -162,9 +183,11 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
     nq, nk, bs = _positive("Nq", Nq), _positive("Nk", Nk), _positive("block_size", block_size)
     if callable(mask_mod):
         slots = flex.check_aux(aux, "numpy")
-        states = _numpy_states(mask_mod, bb, hb, nq, nk, bs)
+        pairs = _numpy_pairs(mask_mod, bb, hb, nq, nk)
+        states = _numpy_states(pairs, bs)
         full = states == FULL
         runs = _longest_runs(full), _longest_runs(full.swapaxes(-1, -2))
+        bits = _numpy_bits(pairs)
         xp: Any = np
     else:
         flex.check_text("mask_mod", mask_mod)
@@ -172,11 +195,21 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
         spec = flex.FlexSpec(mask_mod=mask_mod, aux=slots)
         flex.check(spec)
         states, runs = _cuda_states(spec, aux, bb, hb, nq, nk, bs)
+        bits = _cuda_bits(spec, aux, bb, hb, nq, nk, states if bs == BIT_TILE else None)
         import cupy
 
         xp = cupy
     kv, q = ranges(states, xp)
-    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q, *runs, *_visited_keys(kv, nq, nk, bs, xp))
+    return BlockMask(mask_mod, slots, bb, hb, nq, nk, bs, states, kv, q, *runs, *_visited_keys(kv, nq, nk, bs, xp),
+                     *bits)  # fmt: skip
+
+
+def bit_index(states: Any, xp: Any) -> tuple[Any, int]:
+    """(bit_index, slots) of the 64 x 64 tiles' states: mixed tiles numbered in order, -1 FULL, -2 EMPTY."""
+    mixed = states == PARTIAL
+    slot = xp.cumsum(mixed.ravel(), dtype=np.int64).reshape(states.shape) - 1
+    index = xp.where(mixed, slot, xp.where(states == EMPTY, -2, -1)).astype(np.int32)
+    return index, int(mixed.sum())
 
 
 def _visited_keys(kv_range: Any, nq: int, nk: int, bs: int, xp: Any) -> tuple[int, int]:
@@ -204,13 +237,36 @@ def _longest_runs(full: np.ndarray) -> np.ndarray:
                                 dtype=np.int32)  # fmt: skip
 
 
-def _numpy_states(mask_mod: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> np.ndarray:
-    """The reference: mask_mod's twin on every element, reduced per tile."""
+def _numpy_pairs(mask_mod: Any, bb: int, hb: int, nq: int, nk: int) -> np.ndarray:
+    """The reference: mask_mod's twin on every pair, bool (bb, hb, nq, nk)."""
     b = np.arange(bb).reshape(bb, 1, 1, 1)
     h = np.arange(hb).reshape(1, hb, 1, 1)
     q = np.arange(nq).reshape(1, 1, nq, 1)
     k = np.arange(nk).reshape(1, 1, 1, nk)
-    full = np.broadcast_to(np.asarray(mask_mod(b, h, q, k), dtype=bool), (bb, hb, nq, nk))
+    return np.broadcast_to(np.asarray(mask_mod(b, h, q, k), dtype=bool), (bb, hb, nq, nk))
+
+
+def _numpy_bits(pairs: np.ndarray) -> tuple[Any, Any, Any]:
+    """(bit_index, bits_q, bits_k) of every pair (the reference of ``_cuda_bits``), or three Nones past the budget."""
+    bb, hb, nq, nk = pairs.shape
+    t = BIT_TILE
+    index, slots = bit_index(_numpy_states(pairs, t), np)
+    if slots * 2 * t * 8 > BITS_BUDGET:
+        return None, None, None
+    nqt, nkt = -(-nq // t), -(-nk // t)
+    pad = np.ones((bb, hb, nqt * t, nkt * t), bool)  # pairs outside the problem read 1
+    pad[..., :nq, :nk] = pairs
+    tiles = pad.reshape(bb, hb, nqt, t, nkt, t).transpose(0, 1, 2, 4, 3, 5)[index >= 0]  # (slots, q rows, keys)
+    weights = np.uint64(1) << np.arange(t, dtype=np.uint64)
+    bits_q = (tiles.astype(np.uint64) * weights).sum(axis=2, dtype=np.uint64).reshape(-1)
+    bits_k = (tiles.swapaxes(1, 2).astype(np.uint64) * weights).sum(axis=2, dtype=np.uint64).reshape(-1)
+    return index, np.ascontiguousarray(bits_q), np.ascontiguousarray(bits_k)
+
+
+def _numpy_states(pairs: np.ndarray, bs: int) -> np.ndarray:
+    """The tile states of every pair's value."""
+    bb, hb, nq, nk = pairs.shape
+    full = pairs
     nqb, nkb = -(-nq // bs), -(-nk // bs)
     pad = np.zeros((bb, hb, nqb * bs, nkb * bs), bool)
     pad[..., :nq, :nk] = full
@@ -246,10 +302,35 @@ __global__ void cf_block_states(const __grid_constant__ cupyflash::AttentionPara
   if (threadIdx.x == 0) static_cast<unsigned char*>(p.o)[blockIdx.x] = any ? (all ? 2 : 1) : 0;
 }
 """
+#: The bits' kernel (a program of its own: one kernel a generated program, as NVRTC's ptxas report is read per program).
+_BITS_KERNEL = r"""
+// The bits of the mixed 64 x 64 tiles: block s takes slot s, tile p.q[s] (a flat (b, h, qt, kt) index); threads
+// 0-63 write query row r's word to p.o (bits_q), threads 64-127 key r's to p.dq (bits_k). Pairs outside the
+// problem read 1.
+__global__ void cf_block_bits(const __grid_constant__ cupyflash::AttentionParams p) {
+  const int nqt = (p.nq + 63) >> 6, nkt = (p.nk + 63) >> 6;
+  long long t = static_cast<const long long*>(p.q)[blockIdx.x];
+  const int kt = t % nkt; t /= nkt;
+  const int qt = t % nqt; t /= nqt;
+  const int h = t % p.bm_hb;
+  const int b = static_cast<int>(t / p.bm_hb);
+  const int r = threadIdx.x & 63;
+  const bool keys = threadIdx.x >= 64;
+  unsigned long long w = 0;
+  for (int j = 0; j < 64; ++j) {
+    const int q = qt * 64 + (keys ? j : r), k = kt * 64 + (keys ? r : j);
+    const bool m = q >= p.nq || k >= p.nk || cupyflash::flex::User::mask_mod(p, b, h, q, k);
+    w |= static_cast<unsigned long long>(m) << j;
+  }
+  static_cast<unsigned long long*>(keys ? p.dq : p.o)[64LL * blockIdx.x + r] = w;
+}
+"""
 
 
-def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> tuple[Any, tuple[Any, Any]]:
-    """The states and the (full_kv, full_q) runs, on the device."""
+def _launch_snippet(spec: Any, aux: Any, name: str, blocks: int, threads: int, pointers: dict[str, Any],
+                    **fields: int) -> None:  # fmt: skip
+    """Launch one of the generated kernels above (spec's mask_mod pasted in) with params ``fields`` and the named
+    pointer fields (arrays) besides aux's."""
     import cupy
 
     from . import flex
@@ -257,18 +338,35 @@ def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: in
     from .kernels.params import Params
     from .plans import LaunchPlan
 
+    params = Params().set(**fields, **_aux_params(aux))
+    kernel = {"cf_block_states": _STATES_KERNEL, "cf_block_bits": _BITS_KERNEL}[name]
+    source = build.generated_source(name, spec.key, flex.generate(spec) + kernel)
+    flex._specs[spec.key] = spec
+    launch = build.Launch(LaunchPlan(source, name, (blocks, 1, 1), (threads, 1, 1), 0), params.to_bytes())
+    arrays = {**{n: a for n, a in pointers.items()}, **flex.aux_arrays(aux)}
+    Params.write_pointers(launch.buffer, Params.pointer_values({n: a.data.ptr for n, a in arrays.items()}))
+    launch.fire(cupy.cuda.get_current_stream().ptr)
+
+
+def _tile_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> Any:
+    """uint8 (bb, hb, ceil(nq / bs), ceil(nk / bs)): each tile EMPTY, PARTIAL or FULL, on the device."""
+    import cupy
+
     nqb, nkb = -(-nq // bs), -(-nk // bs)
     states = cupy.empty((bb, hb, nqb, nkb), dtype=np.uint8)
-    tiles = bb * hb * nqb * nkb
-    params = Params().set(nq=nq, nk=nk, bm_size=bs, bm_nqb=nqb, bm_nkb=nkb, bm_bb=bb, bm_hb=hb,
-                          **_aux_params(aux))  # fmt: skip
-    source = build.generated_source("block_mask", spec.key, flex.generate(spec) + _STATES_KERNEL)
-    flex._specs[spec.key] = spec
-    plan = LaunchPlan(source, "cf_block_states", (tiles, 1, 1), (256, 1, 1), 0)
-    launch = build.Launch(plan, params.to_bytes())
-    Params.write_pointers(launch.buffer, Params.pointer_values({"o": states.data.ptr, **{
-        n: a.data.ptr for n, a in flex.aux_arrays(aux).items()}}))  # fmt: skip
-    launch.fire(cupy.cuda.get_current_stream().ptr)
+    _launch_snippet(spec, aux, "cf_block_states", states.size, 256, {"o": states}, nq=nq, nk=nk, bm_size=bs,
+                    bm_nqb=nqb, bm_nkb=nkb, bm_bb=bb, bm_hb=hb)  # fmt: skip
+    return states
+
+
+def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: int) -> tuple[Any, tuple[Any, Any]]:
+    """The states and the (full_kv, full_q) runs, on the device."""
+    import cupy
+
+    from .kernels import build
+
+    states = _tile_states(spec, aux, bb, hb, nq, nk, bs)
+    nqb, nkb = states.shape[-2:]
     full_runs = build.get_function(RUNS_SOURCE, "cf_full_runs")
     out = []
     for lines, n, inner, step in ((nqb, nkb, nkb, 1), (nkb, nqb, 1, nkb)):  # block rows, then block columns
@@ -278,6 +376,26 @@ def _cuda_states(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, bs: in
                                                     np.int64(nqb * nkb), np.int64(inner), np.int64(step)))  # fmt: skip
         out.append(table)
     return states, (out[0], out[1])
+
+
+def _cuda_bits(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, states64: Any) -> tuple[Any, Any, Any]:
+    """``_numpy_bits`` on the device (one synchronisation: the mixed tiles' count); ``states64``: the 64 x 64 tiles'
+    states where the block mask's own tiles are those."""
+    import cupy
+
+    t = BIT_TILE
+    if states64 is None:
+        states64 = _tile_states(spec, aux, bb, hb, nq, nk, t)
+    index, slots = bit_index(states64, cupy)
+    if slots * 2 * t * 8 > BITS_BUDGET:
+        return None, None, None
+    bits_q = cupy.empty(max(slots, 1) * t, dtype=np.uint64)
+    bits_k = cupy.empty(max(slots, 1) * t, dtype=np.uint64)
+    if slots:
+        tiles = cupy.flatnonzero(index.ravel() >= 0).astype(np.int64)
+        _launch_snippet(spec, aux, "cf_block_bits", slots, 2 * t, {"q": tiles, "o": bits_q, "dq": bits_k},
+                        nq=nq, nk=nk, bm_bb=bb, bm_hb=hb)  # fmt: skip
+    return index, bits_q, bits_k
 
 
 def _aux_params(aux: Any) -> dict[str, Any]:

@@ -248,7 +248,8 @@ def check_attention(
         variant = replace(variant, flex=flex, flex_aux=aux_values(aux),
                           block_mask=tuple(block_mask.params().items()) if block_mask is not None else (),
                           block_keys=(block_mask.keys_a_row(variant.causal, variant.window)
-                                      if block_mask is not None else 0))
+                                      if block_mask is not None else 0),
+                          block_bits=block_mask is not None and block_mask.bits_q is not None)
     return AttentionProblem(tuple(batch), hq, hk, nq, nk, d, dtype, variant, float(scale), xp)
 
 

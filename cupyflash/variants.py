@@ -51,6 +51,8 @@ class Variant:
         score_mod alone, or the score is the built-in rule), ``BlockMasked`` for the reference's twins.
     block_keys: with a block mask, the mean number of keys a query row's tile loop visits under this call's masks
         (``BlockMask.keys_a_row``; 0: not known): a grid heuristic (plans.wgmma's forward kernel), no C++.
+    block_bits: the block mask holds its mixed tiles' pairs as bits (``BlockMask.bits_q``): C++ ``FlexMask<...,
+        true>``, whose partial tiles read them instead of running mask_mod.
     """
 
     causal: bool = False
@@ -65,6 +67,7 @@ class Variant:
     flex_aux: tuple = ()
     block_mask: tuple = ()
     block_keys: int = 0
+    block_bits: bool = False
 
     @classmethod
     def of(cls, causal: bool, window_size: tuple[int, int] | None, softcap: float, alibi: bool, sinks: bool,
@@ -86,7 +89,7 @@ class Variant:
             # mask_mod in the mask policy: tiles of FULL blocks skip it (flex_policy.cuh's FlexMask)
             from .flex import USER
 
-            return f"FlexMask<cupyflash::{base}, {USER}>"
+            return f"FlexMask<cupyflash::{base}, {USER}{', true' if self.block_bits else ''}>"
         return f"BlockMasked<cupyflash::{base}>" if self.block_mask else base
 
     def _mask_in_mask(self) -> bool:

@@ -259,8 +259,8 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     """User-snippet policies (issue 17 part 3): per family and kernel, its first bfloat16 configuration (float32 for
     the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
     on plain scores (FlexMask + FlexScore<ScoreFns>), and Window with the snippets on softcap/ALiBi; then a mask alone
-    with a block mask in two kernels. 10 instantiations (about 80 CPU-seconds of NVRTC), for sm_80 (sm_90a for
-    wgmma). Their sources are generated (``_compile`` registers them per process)."""
+    with a block mask in three kernels, without and with its bits, and the wgmma D=64 backward with them. 14
+    instantiations (about 110 CPU-seconds of NVRTC), for sm_80 (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
     from cupyflash import flex
     from cupyflash.kernels import mma, portable, wgmma
     from cupyflash.plans import mma as mma_plans
@@ -268,7 +268,7 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     from cupyflash.variants import Variant
 
     spec = flex_spec()
-    policies = (Variant(causal=True, flex=spec, block_mask=(("bm_size", 64),)).cpp_policy,
+    policies = (Variant(causal=True, flex=spec, block_mask=(("bm_size", 64),), block_bits=True).cpp_policy,
                 Variant(window=(8, 8), softcap=30.0, flex=spec).cpp_policy)  # fmt: skip
     plain = Variant().cpp_policy
     jobs = []
@@ -284,13 +284,18 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     # The mask alone with a block mask (FlexMask, PlainScore: the speed case) in the kernels where its registers
     # are tightest: the wgmma D=64 forwards (the lockstep kernel's 128-register budget, the warp-specialised one's
     # 160-register consumers) and the mma D=64 key-major backward.
+    # With the block mask's bits (FlexMask<..., true>, the default where they fit: partial tiles read bits), also
+    # the wgmma D=64 backward (255 registers).
     mask_only = flex_mask_spec()
-    causal = Variant(causal=True, flex=mask_only, block_mask=(("bm_size", 64),)).cpp_policy
-    for fam, config in ((wgmma, wgmma_plans.FORWARD_CONFIGS[64]), (wgmma, wgmma_plans.WS_FORWARD_CONFIGS[64]),
-                        (mma, mma_plans.BACKWARD_CONFIGS[64])):  # fmt: skip
-        source = mma_plans.BACKWARD_SOURCE if fam is mma else config.source
-        jobs.append((fam.NAME, f"{source}#flex-{mask_only.key}", config.name("__nv_bfloat16", causal),
-                     ARCHS[fam.NAME][0]))
+    for bits in (False, True):
+        causal = Variant(causal=True, flex=mask_only, block_mask=(("bm_size", 64),), block_bits=bits).cpp_policy
+        configs = [(wgmma, wgmma_plans.FORWARD_CONFIGS[64]), (wgmma, wgmma_plans.WS_FORWARD_CONFIGS[64]),
+                   (mma, mma_plans.BACKWARD_CONFIGS[64])] + [(wgmma, wgmma_plans.BACKWARD_CONFIGS[64])] * bits
+        for fam, config in configs:
+            source = (mma_plans.BACKWARD_SOURCE if fam is mma else wgmma_plans.BACKWARD_SOURCE
+                      if isinstance(config, wgmma_plans.BackwardConfig) else config.source)  # fmt: skip
+            jobs.append((fam.NAME, f"{source}#flex-{mask_only.key}", config.name("__nv_bfloat16", causal),
+                         ARCHS[fam.NAME][0]))
     return jobs
 
 
@@ -409,7 +414,9 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
     "wgmma_flash_fwd<": 256,  # 172/224 B: D=64 FlexMask<Causal> + FlexScore<PlainScore, ScoreFns> (flex3)
     # 20/24 B: D=64 FlexMask<Causal> on plain scores (s21), the one snippet policy plans.wgmma.lockstep_by_default
     # lets it run (with a score_mod, Window + FlexScore<ModScore> spilled 840/588 B at its 160-register consumers)
-    "wgmma_flash_fwd_ws<": 32,
+    # 52/56 B with the block mask's bits (FlexMask<Causal, ..., true>, s23); prefix-LM's NoMask base 0 B. The plan
+    # gives this kernel D = 64 masks whose rows visit >= 4096 keys (WS_MIN_BLOCK_KEYS_D64), which few tiles split.
+    "wgmma_flash_fwd_ws<": 64,
     "wgmma_flash_bwd<": 480,  # 460/424 B: D=64 Window + FlexScore<ModScore> (snippets on softcap/ALiBi), NVRTC 13.5
 }
 

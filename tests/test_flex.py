@@ -379,6 +379,63 @@ def test_full_tiles_rule(bs, rng):
     assert ptrs["bm_full_kv"] is bm.full_kv and ptrs["bm_full_q"] is bm.full_q and ptrs["bm_kv"] is bm.kv_range
 
 
+def unpack_bits(bm, rows_are_keys=False):
+    """(batch, heads, Nq, Nk) bool of a block mask's bit tables, read as FlexMask<..., true> reads them: a tile's
+    index (-1 all, -2 none, else a slot), then bit j of its row's word."""
+    index, bits = bm.bit_index, bm.bits_k if rows_are_keys else bm.bits_q
+    bb, hb, nqt, nkt = index.shape
+    out = np.zeros((bb, hb, nqt * 64, nkt * 64), bool)
+    for b, h, qt, kt in np.ndindex(index.shape):
+        slot = index[b, h, qt, kt]
+        if slot < 0:
+            tile = np.full((64, 64), slot == -1)
+        else:
+            words = bits[64 * slot : 64 * slot + 64]
+            tile = ((words[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)).astype(bool)
+            tile = tile.T if rows_are_keys else tile
+        out[b, h, qt * 64 : qt * 64 + 64, kt * 64 : kt * 64 + 64] = tile
+    return out[..., : bm.nq, : bm.nk]
+
+
+@pytest.mark.parametrize("bs", [16, 48, 64, 128])
+def test_block_mask_bits_hold_every_pair(bs, rng):
+    """The bits (BlockMask.bits_q / bits_k, FlexMask<..., true>'s reading of partial tiles) give mask_mod's value of
+    every pair of the problem in both orientations, at any block size (the bit tiles are 64 x 64 whatever it is);
+    tiles whose pairs are all visible or all hidden take no slot; pairs outside the problem read 1."""
+    nq, nk = 200, 263
+    doc = np.searchsorted(np.array([70, 200]) + rng.integers(-5, 6, 2), np.arange(nk), side="right")
+    lo = rng.integers(0, 60, 3)  # (the 64 x 64 tile at (2, 2) lies in the second document: all visible)
+    mm = lambda b, h, i, j: ((doc[np.minimum(i, nk - 1)] == doc[j]) & (j >= lo[h] + b)) | (j < 3)  # noqa: E731
+    bm = cf.create_block_mask(mm, 2, 3, nq, nk, block_size=bs)
+    want = np.broadcast_to(mm(np.arange(2)[:, None, None, None], np.arange(3)[:, None, None], np.arange(nq)[:, None],
+                              np.arange(nk)), (2, 3, nq, nk))  # fmt: skip
+    assert bm.bit_index.shape == (2, 3, 4, 5) and bm.bit_index.dtype == np.int32 and bm.bits_q.dtype == np.uint64
+    np.testing.assert_array_equal(unpack_bits(bm), want)
+    np.testing.assert_array_equal(unpack_bits(bm, rows_are_keys=True), want)
+    slots = bm.bit_index[bm.bit_index >= 0]
+    assert {-2, -1} <= set(np.unique(bm.bit_index)) and sorted(slots) == list(range(len(slots)))
+    assert len(bm.bits_q) == len(bm.bits_k) == 64 * len(slots)
+    slot = max(bm.bit_index[0, 0, 3])  # a mixed tile of the last query rows: its rows past Nq read all ones
+    assert slot >= 0 and all(int(w) == (1 << 64) - 1 for w in bm.bits_q[64 * slot + nq % 64 : 64 * slot + 64])
+    ptrs = bm.pointers()
+    assert ptrs["bm_bit_index"] is bm.bit_index and ptrs["bm_bits_q"] is bm.bits_q and ptrs["bm_bits_k"] is bm.bits_k
+
+
+def test_block_mask_bits_budget(monkeypatch, rng):
+    """Past BITS_BUDGET a block mask keeps no bits: its pointers leave the bit fields out and the C++ mask policy
+    runs mask_mod per pair of partial tiles (FlexMask without its bits flag)."""
+    from cupyflash import flex_block_mask
+
+    mm = lambda b, h, i, j: (i + j) % 3 == 0  # noqa: E731  (every tile mixed)
+    q, k, v = (np.ones((1, 2, 128, 16), np.float32) for _ in range(3))
+    bm = cf.create_block_mask(mm, None, None, 128, 128)
+    assert bm.bits_q is not None and check_attention(q, k, v, mask_mod=mm, block_mask=bm).variant.block_bits
+    monkeypatch.setattr(flex_block_mask, "BITS_BUDGET", 4 * 1024 - 1)  # four mixed tiles take 4 KB
+    bm = cf.create_block_mask(mm, None, None, 128, 128)
+    assert bm.bits_q is bm.bits_k is bm.bit_index is None and "bm_bits_q" not in bm.pointers()
+    assert not check_attention(q, k, v, mask_mod=mm, block_mask=bm).variant.block_bits
+
+
 def test_block_mask_moves_mask_mod_into_the_mask_policy():
     """With a block mask the C++ mask policy evaluates mask_mod (FlexMask) and the score keeps score_mod alone (or is
     the built-in rule); without one, FlexScore does both as before."""
@@ -395,6 +452,8 @@ def test_block_mask_moves_mask_mod_into_the_mask_policy():
     assert f"FlexScore<cupyflash::ModScore, cupyflash::ScoreFns<{USER}>>" in pol
     pol = Variant(causal=True, flex=both).cpp_policy
     assert pol == f"cupyflash::Policy<cupyflash::Causal, cupyflash::FlexScore<cupyflash::PlainScore, {USER}>>"
+    pol = Variant(causal=True, flex=mask_only, block_mask=bm, block_bits=True).cpp_policy  # partial tiles read bits
+    assert pol == f"cupyflash::Policy<cupyflash::FlexMask<cupyflash::Causal, {USER}, true>, cupyflash::PlainScore>"
     twins = cf.flex.FlexTwins(mask_mod=lambda b, h, i, j: i >= j)  # the reference's: no C++ policy of its own
     assert "BlockMasked<" in Variant(flex=twins, block_mask=bm).mask_name
 
@@ -422,14 +481,15 @@ def test_block_mask_does_not_change_numpy_results(rng):
 
 @needs_nvrtc
 def test_block_mask_kernel_compiles():
-    """create_block_mask's generated kernel (the User struct + one block per tile) and its full-runs kernel build for
-    sm_80 without spills."""
-    from cupyflash.flex_block_mask import _STATES_KERNEL, RUNS_SOURCE
+    """create_block_mask's generated kernels (the User struct + one block per tile; the mixed tiles' bits) and its
+    full-runs kernel build for sm_80 without spills."""
+    from cupyflash.flex_block_mask import _BITS_KERNEL, _STATES_KERNEL, RUNS_SOURCE
     from cupyflash.kernels import build
 
     spec = flex.FlexSpec(mask_mod="doc(b, q_idx) == doc(b, kv_idx)", aux=(flex.AuxSlot("doc", "int", 2),))
-    source = build.generated_source("block_mask", spec.key, flex.generate(spec) + _STATES_KERNEL)
-    usage = build.nvrtc_compile(source, "cf_block_states", "sm_80")
-    assert usage.registers > 0 and not usage.spills
+    for name, kernel in (("cf_block_states", _STATES_KERNEL), ("cf_block_bits", _BITS_KERNEL)):
+        source = build.generated_source(name, spec.key, flex.generate(spec) + kernel)
+        usage = build.nvrtc_compile(source, name, "sm_80")
+        assert usage.registers > 0 and not usage.spills
     usage = build.nvrtc_compile(RUNS_SOURCE, "cf_full_runs", "sm_80")  # the full runs: one source for every mask
     assert usage.registers > 0 and not usage.spills

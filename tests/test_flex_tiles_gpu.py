@@ -1,7 +1,8 @@
 """GPU accuracy of block masks whose FULL tiles skip mask_mod (issue 17 speed: flex_policy.cuh's FlexMask).
 
 With ``block_mask=`` the kernels evaluate mask_mod in the mask policy, only in tiles that the built-in mask or the
-block mask's states call partial; tiles made of FULL blocks run as unmasked tiles. These cases mix EMPTY, PARTIAL
+block mask's states call partial (there they read the block mask's bits, or run mask_mod where it has none); tiles
+made of FULL blocks run as unmasked tiles. These cases mix EMPTY, PARTIAL
 and FULL blocks (asserted) with a mask_mod that depends on (b, h): per batch documents, a per-(batch, query head)
 first visible key ``lo(b, h)`` that differs between the query heads of one GQA group (so a key-major backward that
 asks partial() or visible() with the wrong head of its group gets other dK/dV), and the first 8 keys visible to
@@ -86,19 +87,27 @@ def _with_window(twin, window):
     return {**twin, "mask_mod": rule}
 
 
+@pytest.mark.parametrize("bits", [True, False], ids=["bits", "mask_mod"])
 @pytest.mark.parametrize("kernel, dtype_name, d, base, block", CASES)
-def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, rng):
+def test_full_tiles_skip_mask_mod(kernel, dtype_name, d, base, block, bits, rng, monkeypatch):
+    """Partial tiles read the block mask's bits (FlexMask<..., true>, the default) or, past BITS_BUDGET (forced to 0
+    here), run mask_mod per pair; the device's bits equal the twin's (NumPy) bit for bit."""
+    from cupyflash import flex_block_mask
+
     dtype = DTYPES[dtype_name]
     b, hq, _, nq, nk = SHAPE
     cpp, twin, builtin = make_case(base, rng)
     q, k, v, do = _inputs(rng, SHAPE, dtype, d)
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     cppd = _dev(cpp)
+    if not bits:
+        monkeypatch.setattr(flex_block_mask, "BITS_BUDGET", 0)
     bm = cupyflash.create_block_mask(cppd["mask_mod"], b, hq, nq, nk, aux=cppd["aux"], block_size=block)
     twin_bm = cupyflash.create_block_mask(twin["mask_mod"], b, hq, nq, nk, block_size=block)
+    assert (bm.bits_q is not None) == bits
     states = cupy.asnumpy(bm.states)
     np.testing.assert_array_equal(states, twin_bm.states)
-    for name in ("full_kv", "full_q"):
+    for name in ("full_kv", "full_q") + (("bit_index", "bits_q", "bits_k") if bits else ()):
         np.testing.assert_array_equal(cupy.asnumpy(getattr(bm, name)), getattr(twin_bm, name))
     for state in (EMPTY, PARTIAL, FULL):  # every (b, h) mixes the three
         assert (states == state).any(axis=(2, 3)).all(), f"state {state} missing in some (b, h)"

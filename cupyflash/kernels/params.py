@@ -27,6 +27,7 @@ POINTERS: tuple[str, ...] = (
     "aux0", "aux1", "aux2", "aux3", "aux4", "aux5", "aux6", "aux7",  # user snippets' aux arrays (issue 17)
     "bm_kv", "bm_q",  # block masks (issue 17)
     "bm_full_kv", "bm_full_q",  # block masks' runs of FULL blocks (issue 17 speed: full tiles skip mask_mod)
+    "bm_bit_index", "bm_bits_q", "bm_bits_k",  # block masks' element bits (issue 17 speed: no mask_mod per pair)
     "kv_part",  # float32 backward's query parts: partial dK/dV (plans.mma.query_parts)
 )  # fmt: skip
 STRIDE_FIELDS: tuple[str, ...] = ("q_s", "k_s", "v_s", "o_s", "lse_s", "dout_s", "dq_s", "dk_s", "dv_s")
