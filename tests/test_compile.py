@@ -415,7 +415,7 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
     # 20/24 B: D=64 FlexMask<Causal> on plain scores (s21), the one snippet policy plans.wgmma.lockstep_by_default
     # lets it run (with a score_mod, Window + FlexScore<ModScore> spilled 840/588 B at its 160-register consumers)
     # 52/56 B with the block mask's bits (FlexMask<Causal, ..., true>, s23); prefix-LM's NoMask base 0 B. The plan
-    # gives this kernel D = 64 masks whose rows visit >= 4096 keys (WS_MIN_BLOCK_KEYS_D64), which few tiles split.
+    # gives this kernel D = 64 masks whose rows visit >= 2048 keys (WS_MIN_BLOCK_KEYS_D64), which few tiles split.
     "wgmma_flash_fwd_ws<": 64,
     "wgmma_flash_bwd<": 480,  # 460/424 B: D=64 Window + FlexScore<ModScore> (snippets on softcap/ALiBi), NVRTC 13.5
 }

@@ -112,11 +112,12 @@ WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
 WS_MIN_CAUSAL_ROWS_D64 = 2048
 #: D = 64 calls with a block mask whose query rows visit fewer keys than this on average under the call's masks
 #: (``Variant.block_keys``) keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row
-#: tile meets few key tiles. Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; lockstep ms / ws ms):
-#: causal documents of random lengths, 2 docs (6162 keys a row) 1.14x, 4 (2890) 0.99x, 8 (1460) 0.82x, 16 (975)
-#: 0.77x; prefix-LM (non-causal, 8728) 1.21-1.25x. D = 128 (two consumers, the lockstep kernel's tile) gains at
-#: every one of them: 1.13-1.19x.
-WS_MIN_BLOCK_KEYS_D64 = 4096
+#: tile meets few key tiles. Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; ws's speed over
+#: lockstep's) since partial tiles read the block mask's bits (s23): causal documents of random lengths, 4 docs
+#: (2890 keys a row) 1.16x, 8 (1460) 1.00x, 16 (975) 0.97x; prefix-LM (non-causal, 8728) 1.28x. (Before the bits,
+#: s21: 2 docs (6162) 1.14x, 4 0.99x, 8 0.82x, 16 0.77x.) D = 128 (two consumers, the lockstep kernel's tile) gained
+#: at every one of them: 1.13-1.19x.
+WS_MIN_BLOCK_KEYS_D64 = 2048
 #: D = 64 calls with a sliding window narrower than this (left + right + 1 keys, both sides bounded) keep the lockstep
 #: kernel, for the same reason. Measured (dev_flex_ws.py, H200, bf16, N = 16k, H = 32, causal windows; lockstep ms /
 #: ws ms): 256 keys 0.208 / 0.275 (lockstep 1.32x), 1024 0.478 / 0.475, 4096 1.447 / 1.271 (ws 1.14x); D = 128: ws
