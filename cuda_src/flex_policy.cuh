@@ -179,14 +179,14 @@ struct BlockMasked {
 //
 // kBits: the block mask also holds mask_mod's value of every pair of its mixed 64 x 64 tiles as bits
 // (BlockMask.bits_q / bits_k, AttentionParams.bm_bit_index), and partial tiles read those instead of running
-// mask_mod: mask_strip (mma_softmax.cuh) loads each lane's two rows' words once a strip (strip_bits), then a
+// mask_mod: mask_strip (mma_softmax.cuh) loads each lane's two rows' words once a strip (strip_words), then a
 // shift and a test a pair. (s23: per pair, mask_mod cost ~25 instructions and two dependent loads; the doc8
 // forward's partial tiles, 15% of its steps, took 40% of its time.)
 template <class Base, class Fns, bool kBits = false>
 struct FlexMask : BlockMasked<Base> {
   static_assert(Fns::kMask, "FlexMask evaluates a mask_mod");
   static constexpr bool kPerHead = true;    // kernels call at_head (mask_at_head)
-  static constexpr bool kStripBits = kBits;  // mask_strip reads strip_bits
+  static constexpr bool kStripBits = kBits;  // mask_strip reads strip_words
   int fb = 0, fh = 0;  // the global batch index and query head of at_head
   int table = 0;       // the first line of this (b, h)'s tables, in (b, h) units (0 where the tables broadcast)
   // Does the tile of the last partial() call leave the full runs? Only then does visible() run mask_mod: a tile

@@ -204,7 +204,7 @@ def create_block_mask(mask_mod: Any, B: Any, H: Any, Nq: int, Nk: int, aux: dict
                      *bits)  # fmt: skip
 
 
-def bit_index(states: Any, xp: Any) -> tuple[Any, int]:
+def mixed_tile_index(states: Any, xp: Any) -> tuple[Any, int]:
     """(bit_index, slots) of the 64 x 64 tiles' states: mixed tiles numbered in order, -1 FULL, -2 EMPTY."""
     mixed = states == PARTIAL
     slot = xp.cumsum(mixed.ravel(), dtype=np.int64).reshape(states.shape) - 1
@@ -250,7 +250,7 @@ def _numpy_bits(pairs: np.ndarray) -> tuple[Any, Any, Any]:
     """(bit_index, bits_q, bits_k) of every pair (the reference of ``_cuda_bits``), or three Nones past the budget."""
     bb, hb, nq, nk = pairs.shape
     t = BIT_TILE
-    index, slots = bit_index(_numpy_states(pairs, t), np)
+    index, slots = mixed_tile_index(_numpy_states(pairs, t), np)
     if slots * 2 * t * 8 > BITS_BUDGET:
         return None, None, None
     nqt, nkt = -(-nq // t), -(-nk // t)
@@ -266,10 +266,9 @@ def _numpy_bits(pairs: np.ndarray) -> tuple[Any, Any, Any]:
 def _numpy_states(pairs: np.ndarray, bs: int) -> np.ndarray:
     """The tile states of every pair's value."""
     bb, hb, nq, nk = pairs.shape
-    full = pairs
     nqb, nkb = -(-nq // bs), -(-nk // bs)
     pad = np.zeros((bb, hb, nqb * bs, nkb * bs), bool)
-    pad[..., :nq, :nk] = full
+    pad[..., :nq, :nk] = pairs
     inside = np.zeros((nqb * bs, nkb * bs), bool)
     inside[:nq, :nk] = True
     tiles = pad.reshape(bb, hb, nqb, bs, nkb, bs).sum(axis=(3, 5))
@@ -343,7 +342,7 @@ def _launch_snippet(spec: Any, aux: Any, name: str, blocks: int, threads: int, p
     source = build.generated_source(name, spec.key, flex.generate(spec) + kernel)
     flex._specs[spec.key] = spec
     launch = build.Launch(LaunchPlan(source, name, (blocks, 1, 1), (threads, 1, 1), 0), params.to_bytes())
-    arrays = {**{n: a for n, a in pointers.items()}, **flex.aux_arrays(aux)}
+    arrays = {**pointers, **flex.aux_arrays(aux)}
     Params.write_pointers(launch.buffer, Params.pointer_values({n: a.data.ptr for n, a in arrays.items()}))
     launch.fire(cupy.cuda.get_current_stream().ptr)
 
@@ -386,7 +385,7 @@ def _cuda_bits(spec: Any, aux: Any, bb: int, hb: int, nq: int, nk: int, states64
     t = BIT_TILE
     if states64 is None:
         states64 = _tile_states(spec, aux, bb, hb, nq, nk, t)
-    index, slots = bit_index(states64, cupy)
+    index, slots = mixed_tile_index(states64, cupy)
     if slots * 2 * t * 8 > BITS_BUDGET:
         return None, None, None
     bits_q = cupy.empty(max(slots, 1) * t, dtype=np.uint64)
