@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from test_ws_protocol import MBarrier, NamedBarrier, interleave, wait
+from test_ws_protocol import Block, MBarrier, NamedBarrier, interleave, wait
 
 WARPGROUPS = 2
 
@@ -38,11 +38,8 @@ class BackwardBlock:
         self.ds = [[None] * WARPGROUPS for _ in range(ds_buffers)]  # per buffer, per half: ("ready", step)
         self.ds_readers = [[0] * WARPGROUPS for _ in range(ds_buffers)]
 
-    def slot(self, t: int) -> int:
-        return t % self.stages
-
-    def parity(self, t: int) -> int:
-        return (t // self.stages) & 1
+    slot = Block.slot  # step t's slot and its fill's parity: the forward ring's arithmetic (self.stages)
+    parity = Block.fill_parity
 
     def producer(self):
         for t in range(self.n):
