@@ -44,9 +44,20 @@ __device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
   return static_cast<Keep>(x) << (32 * w);
 }
 
+// kLoader (plans.wgmma.uses_loader): a third warpgroup, the loader, copies K_j, V_j and every step's Q_i, dO_i, lse
+// and Delta into the kStages ring, one cp.async group a step, published on the slot's FULL mbarrier as soon as it has
+// landed (count: its 128 threads, each once its own copies have landed and been fenced for the async proxy). The
+// compute warpgroups wait on FULL instead of their own cp.async groups and hand the slot back on EMPTY (one arrival a
+// compute warp) once the step's last product reading it (dK) has landed. They lose the copies' issue and address
+// arithmetic and the barrier at the top of a step: dS^T has two buffers (step it writes buffer it % 2), so a
+// warpgroup a step ahead never writes the half the other still reads for dQ (tests/test_ws_backward_protocol.py
+// models both rules). The barrier stays for deterministic turns, whose pass it orders. Not with dropout (the
+// drawer's place), mask/bias arrays (staged tiles) or kOwnDQ. Measured 1.01-1.05x the lockstep kernel (H200, s24).
+//
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
-template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false>
-__global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
+template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false,
+          bool kLoader = false>
+__global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
     wgmma_flash_bwd(const __grid_constant__ AttentionParams p) {
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const T* __restrict__ k = static_cast<const T*>(p.k);
@@ -63,7 +74,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
   constexpr int kThreads = kWG * 128;  // the warpgroups that compute (the drawer comes after them)
-  constexpr int kSync = kDrawer ? kThreads : 0;  // their barrier: sync_block<kSync>
+  constexpr int kSync = kDrawer || kLoader ? kThreads : 0;  // their barrier: sync_block<kSync>
   constexpr int Bc = 64 * kWG;
   constexpr int kSlabs = D / 64;  // 64-column slabs of a Q/K/V/dO tile
   constexpr int kNQ = Br / 8;     // n8 tiles of S^T (queries) per warp strip
@@ -74,6 +85,8 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   static_assert(kStages >= 2, "Q_i/dO_i ring needs a slot to fill while another is read");
   static_assert(!kDrawer || (Policy::Dropout::kOn && DrawerRegs::kThreads == kThreads + 128),
                 "a drawer draws dropout's bits, beside 2 warpgroups");
+  static_assert(!kLoader || (!kDrawer && !kOwnDQ && !Policy::Dropout::kOn && DrawerRegs::kThreads == kThreads + 128),
+                "a loader beside 2 warpgroups, without the drawer or dQ ownership");
   constexpr int kKVBytes = Bc * D * 2;
   constexpr int kQBytes = Br * D * 2;
   constexpr int kSlabBytesKV = Bc * 128;
@@ -82,6 +95,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   // step's Br queries x this block's Bc keys, copied in the same group as that step's Q_i and dO_i.
   constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
   static_assert(score_tile_is<typename Policy::Score, Br, Bc>(), "score tiles staged as the kernel's Br x Bc");
+  static_assert(!kLoader || kScoreBytes == 0, "the loader copies no score tiles");
 
   // wgmma's swizzle pattern repeats every 1024 bytes: the host asks for 1 KB extra to align the base.
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -91,13 +105,17 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
   const uint32_t sQ_u = sV_u + kKVBytes;           // [kStages] tiles
   const uint32_t sdO_u = sQ_u + kStages * kQBytes;  // [kStages] tiles
   const uint32_t sdS_u = sdO_u + kStages * kQBytes;  // dS^T: Bc keys x Br queries, Br / 64 slabs
-  const uint32_t sStat_u = sdS_u + Bc * Br * 2;     // [kStages][2][Br] f32: lse, Delta
+  // kLoader: two dS^T buffers (step it writes buffer it % 2), so that the top-of-step barrier can go
+  // (tests/test_ws_backward_protocol.py: with one, a warpgroup a step ahead overwrites its half under the other's dQ).
+  constexpr int kDSBuffers = kLoader ? 2 : 1;
+  const uint32_t sStat_u = sdS_u + kDSBuffers * Bc * Br * 2;  // [kStages][2][Br] f32: lse, Delta
   const uint32_t sScore_u = sStat_u + kStages * 2 * Br * 4;  // [kStages] score-array tiles (none: 0 bytes)
   // With the drawer: [kKeepSlots][4 kWG warps][32 lanes] keep bits, then the ring's barriers.
   using Keep = KeepBits<kNQ>;
   constexpr int kKeepPerSlot = kWG * 4 * 32;
   const uint32_t sKeep_u = (sScore_u + kStages * kScoreBytes + 15u) & ~15u;
   const ws::Pipe<kKeepSlots> keep_pipe{sKeep_u + kKeepSlots * kKeepPerSlot * static_cast<int>(sizeof(Keep))};
+  const ws::Pipe<kStages> load_pipe{(sKeep_u + 7u) & ~7u};  // kLoader: the ring's FULL/EMPTY (no drawer then)
   auto at = [&](uint32_t u) { return smem_raw + (u - raw_u); };
   T* const sK = reinterpret_cast<T*>(at(sK_u));
   T* const sV = reinterpret_cast<T*>(at(sV_u));
@@ -159,6 +177,51 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     }
     ws::regs_inc<DrawerRegs::kConsumerRegs>();
   }
+  if constexpr (kLoader) {
+    if (threadIdx.x == 0) {
+      load_pipe.init(128, kWG * 4);
+      ws::mbar_init_fence();
+    }
+    __syncthreads();  // the last barrier of all 384 threads
+    if (threadIdx.x >= kThreads) {  // the loader: copies only, in ws_primitives.cuh's lean copy_tile loops
+      ws::regs_dec<DrawerRegs::kProducerRegs>();
+      const int tid = threadIdx.x - kThreads;
+      if (total > 0) {  // K_j and V_j ride in step 0's group
+        const long long ks = ws::opaque64(k_sn), vs = ws::opaque64(v_sn);
+        ws::copy_tile<T, Bc, kSlabs>(sK_u, k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * ks, ks, seq.nk - j0, d, tid);
+        ws::copy_tile<T, Bc, kSlabs>(sV_u, v + b * v_sb + hkv * v_sh + (seq.k_row0 + j0) * vs, vs, seq.nk - j0, d, tid);
+      }
+      // Step it's copies are issued and published once they have landed. (Published after step it + 1's issue, as
+      // the ws forward's producer does, FULL(it) waited for the consumers' EMPTY of step it - 1 and the next
+      // issue: a bubble every step with two stages, 0.90-0.92x the lockstep kernel, s23.)
+      for (int it = 0; it < total; ++it) {
+        const int buf = ws::Ring<kStages>::slot(it);
+        ws::mbar_wait(load_pipe.empty(it), ws::Ring<kStages>::refill_parity(it));
+        int hh, i0;
+        tile_of(it, hh, i0);
+        const int bo = opaque(b);
+        const SeqRows sq = seq_queries(p, bo);
+        const long long qs = ws::opaque64(q_sn), dos = ws::opaque64(do_sn);
+        const long long row = sq.q_row0 + i0;
+        ws::copy_tile<T, Br, kSlabs>(sQ_u + buf * kQBytes, q + bo * q_sb + hh * q_sh + row * qs, qs, sq.nq - i0, d,
+                                     tid);
+        ws::copy_tile<T, Br, kSlabs>(sdO_u + buf * kQBytes, dout + bo * do_sb + hh * do_sh + row * dos, dos,
+                                     sq.nq - i0, d, tid);
+#pragma unroll 1
+        for (int e = tid; e < 2 * Br; e += 128) {  // lse, then Delta (as load_step)
+          const int r = e % Br;
+          const int i = min(i0 + r, sq.nq - 1);
+          const float* src = e < Br ? lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn
+                                    : delta + scratch_row(p, sq, bo, hh) + i;
+          cp_async_4(sStat_u + (buf * 2 * Br + e) * 4, src, i0 + r < sq.nq ? 4 : 0);
+        }
+        cp_async_commit();
+        ws::publish<0>(load_pipe.full(it));
+      }
+      return;
+    }
+    ws::regs_inc<DrawerRegs::kConsumerRegs>();
+  }
   if constexpr (kOwnDQ) {  // before step 0's cp.async reads Delta
     own_rows<T, D, kThreads>(p, b, hkv * group, group, m_start * Br, mt.end * Br);
     __threadfence_block();
@@ -199,7 +262,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     for (int e = 0; e < 4; ++e) acc_dv[n][e] = acc_dk[n][e] = 0.f;
   }
 
-  if (total > 0) {
+  if (total > 0 && !kLoader) {
     const T* gK = k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * k_sn;
     const T* gV = v + b * v_sb + hkv * v_sh + (seq.k_row0 + j0) * v_sn;
 #pragma unroll
@@ -211,11 +274,13 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     }
     load_step(0, 0);
   }
-  cp_async_commit();  // group 0: K_j, V_j and step 0
+  if constexpr (!kLoader) {
+    cp_async_commit();  // group 0: K_j, V_j and step 0
 #pragma unroll
-  for (int s = 1; s < kStages - 1; ++s) {
-    if (s < total) load_step(s, s);
-    cp_async_commit();
+    for (int s = 1; s < kStages - 1; ++s) {
+      if (s < total) load_step(s, s);
+      cp_async_commit();
+    }
   }
 
   const int key_w = j0 + wg * 64 + warp * 16;  // first key of this warp's strip
@@ -234,7 +299,8 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     const int buf = it % kStages;
     int hh, i0;
     tile_of(it, hh, i0);
-    cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
+    if constexpr (kLoader) ws::mbar_wait(load_pipe.full(it), ws::Ring<kStages>::fill_parity(it));
+    else cp_async_wait<kStages - 2>();  // step it (and K_j, V_j) landed for this thread...
     if constexpr (kFoldZ) {  // the lse or Delta this thread copied (load_step), in place
       const int tid = threadIdx.x;
       if (tid < 2 * Br) {
@@ -243,12 +309,14 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
       }
     }
     wgmma::fence_proxy_async();    // ...is visible to the tensor cores...
-    sync_block<kSync>();           // ...for every warpgroup, which are all done with step it-1 (and dS^T)
+    // ...for every warpgroup, which are all done with step it-1 (and dS^T). The loader's kernel needs it only for the
+    // deterministic turns' pass below (the ring's mbarriers and the two dS^T buffers order the rest).
+    if (!kLoader || p.dq_turns != nullptr) sync_block<kSync>();
     if constexpr (!kOwnDQ) {  // deterministic: step it-1's pass, its adds ordered before it by this barrier
       if (it > 0 && threadIdx.x == 0)
         dq_turn_pass_step<Br, Bc, typename Policy::Mask>(p, opaque(b), j0, it - 1, tile_of);
     }
-    {
+    if constexpr (!kLoader) {
       const int ahead = it + kStages - 1;  // into the slot step it-1 used
       if (ahead < total) load_step(ahead, ahead % kStages);
       cp_async_commit();
@@ -364,7 +432,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
       const int r = wg * 64 + warp * 16 + (lane >> 2);
 #pragma unroll
       for (int kk = 0; kk < Br / 16; ++kk) {
-        const uint32_t slab = sdS_u + (kk / 4) * Bc * 128;
+        const uint32_t slab = sdS_u + (it % kDSBuffers) * Bc * Br * 2 + (kk / 4) * Bc * 128;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = r + (e & 1) * 8;
@@ -384,7 +452,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dq[n][e] = 0.f;
     }
-    const uint32_t ds_a = sdS_u + (kDQByRows ? wg * Bc * 128 : 0);
+    const uint32_t ds_a = sdS_u + (it % kDSBuffers) * Bc * Br * 2 + (kDQByRows ? wg * Bc * 128 : 0);
     const uint32_t k_b = sK_u + (kDQByRows ? 0 : wg * kSlabBytesKV);
     wgmma::fence();
 #pragma unroll
@@ -440,6 +508,9 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer ? 128 : 0), 1)
     wgmma::wait<0>();  // dK has landed: dst and acc_dk are free
     wgmma::fence_operands(acc_dk);
     wgmma::fence_operands(dst);
+    if constexpr (kLoader) {  // every product reading the slot has landed: the loader may refill it
+      if (lane == 0) ws::mbar_arrive(load_pipe.empty(it));
+    }
   }
   if constexpr (!kOwnDQ) dq_turn_pass_last<Br, Bc, typename Policy::Mask, kSync>(p, opaque(b), j0, total, tile_of);
   cp_async_wait<0>();

@@ -75,43 +75,8 @@ struct WsHooks {
   }
 };
 
-// A producer thread's copies into a tile: once all but its newest kInFlight cp.async groups have landed, the
-// generic-proxy writes are fenced for the async proxy (wgmma's reads) and the tile's FULL barrier counts this thread.
-template <int kInFlight>
-__device__ __forceinline__ void publish(uint32_t full) {
-  cp_async_wait<kInFlight>();
-  wgmma::fence_proxy_async();
-  ws::mbar_arrive(full);
-}
-
-// A tile of kRows x (64 kSlabs) elements into shared memory at dst (64-column slabs of TileLayout<64>, kRows * 128
-// bytes apart) by the producer's 128 threads (thread tid): as load_tile_async, but each thread walks its rows in a
-// rolled loop, one source pointer and one shared address moved a step at a time, which fits the producer's few
-// registers. Rows at or past rows_valid (>= 1) and columns at or past d_valid are zero-filled (a source size of 0,
-// from row 0 of the tile: inside the array).
-template <typename T, int kRows, int kSlabs>
-__device__ __forceinline__ void copy_tile(uint32_t dst, const T* src, long long stride, int rows_valid, int d_valid,
-                                          int tid) {
-  constexpr int kRowStep = 128 / 8;  // 8 chunks of 16 bytes a row
-  static_assert(kRows % kRowStep == 0, "whole steps");
-  const int r0 = tid / 8;
-  const int c = tid % 8;
-#pragma unroll
-  for (int sl = 0; sl < kSlabs; ++sl) {
-    const int left = d_valid - 64 * sl - c * 8;
-    const int col_bytes = left >= 8 ? 16 : (left > 0 ? left * 2 : 0);
-    const T* g = src + r0 * stride + 64 * sl + (col_bytes ? c * 8 : 0);
-    uint32_t d = dst + sl * kRows * 128 + TileLayout<64>::offset(r0, c) * 2;  // the swizzle repeats every 8 rows
-#pragma unroll 1
-    for (int r = r0; r < kRows; r += kRowStep) {
-      const bool ok = r < rows_valid;
-      cp_async_16(d, ok ? g : src, ok ? col_bytes : 0);
-      g += kRowStep * stride;
-      d += kRowStep * 128;
-    }
-  }
-}
-
+using ws::copy_tile;  // the producer's copies (ws_primitives.cuh)
+using ws::publish;
 using ws::WsRegs;  // the producer's and the consumers' registers (ws_primitives.cuh)
 
 template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy>

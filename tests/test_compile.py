@@ -259,8 +259,9 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     """User-snippet policies (issue 17 part 3): per family and kernel, its first bfloat16 configuration (float32 for
     the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
     on plain scores (FlexMask + FlexScore<ScoreFns>), and Window with the snippets on softcap/ALiBi; then a mask alone
-    with a block mask in three kernels, without and with its bits, and the wgmma D=64 backward with them. 14
-    instantiations (about 110 CPU-seconds of NVRTC), for sm_80 (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
+    with a block mask in three kernels, without and with its bits, and the wgmma D=64 backward with them (lockstep
+    and with the loader). 15 instantiations (about 120 CPU-seconds of NVRTC), for sm_80 (sm_90a for wgmma). Their
+    sources are generated (``_compile`` registers them per process)."""
     from cupyflash import flex
     from cupyflash.kernels import mma, portable, wgmma
     from cupyflash.plans import mma as mma_plans
@@ -294,8 +295,10 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
         for fam, config in configs:
             source = (mma_plans.BACKWARD_SOURCE if fam is mma else wgmma_plans.BACKWARD_SOURCE
                       if isinstance(config, wgmma_plans.BackwardConfig) else config.source)  # fmt: skip
-            jobs.append((fam.NAME, f"{source}#flex-{mask_only.key}", config.name("__nv_bfloat16", causal),
-                         ARCHS[fam.NAME][0]))
+            names = [config.name("__nv_bfloat16", causal)]
+            if isinstance(config, wgmma_plans.BackwardConfig):  # and with the loader warpgroup, as the plans launch it
+                names.append(config.name("__nv_bfloat16", causal, loader=True))
+            jobs += [(fam.NAME, f"{source}#flex-{mask_only.key}", name, ARCHS[fam.NAME][0]) for name in names]
     return jobs
 
 
@@ -421,7 +424,18 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
 }
 
 
+#: The wgmma backward with its loader warpgroup (kLoader, plans.wgmma.uses_loader; s24), NVRTC 13.5: 12/12 B (16 B
+#: stack) at D = 128 with every built-in score, all in the loader's 24 registers (its tile coordinates and row
+#: pointers); 8/24 B (8 B stack) at D = 64 on plain scores, one 4-byte value refilled in the compute warpgroups' step.
+LOADER_SPILL_ALLOWANCE = 32
+LOADER_SUFFIX = ", false, false, true>"  # kOwnDQ, kDrawer, kLoader
+
+
 def allowance(name: str, arch: str) -> int:
+    return max(LOADER_SPILL_ALLOWANCE if name.endswith(LOADER_SUFFIX) else 0, _policy_allowance(name, arch))
+
+
+def _policy_allowance(name: str, arch: str) -> int:
     if "FlexScore<" in name or "FlexMask<" in name:
         return max((n for prefix, n in FLEX_SPILL_ALLOWANCE.items() if name.startswith(prefix)), default=0)
     if "ArrayScore<" in name:

@@ -135,8 +135,9 @@ def test_plan_backward_wraps_the_mma_helpers():
     plan = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100)
     assert plan.config == cfg and plan.rows == 3 * 12 * 1000
     assert plan.main.grid == (cdiv(900, cfg.bc), 12, 1) and not plan.heads_on_x
-    assert plan.main.block == (256, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
-    assert plan.main.source == plans.BACKWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16", POL)
+    # with the loader warpgroup (the default: test_backward_loader_where_it_applies)
+    assert plan.main.block == (384, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes + cfg.loader_bytes
+    assert plan.main.source == plans.BACKWARD_SOURCE and plan.main.name == cfg.name("__nv_bfloat16", POL, loader=True)
     ref = mma_plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100)
     assert (plan.delta, plan.convert) == (ref.delta, ref.convert)  # the mma family's helpers
     causal = plans.plan_backward(3, 12, 4, 1000, 900, 100, "__nv_bfloat16", H100, variant=Variant(True))
@@ -166,7 +167,10 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.variants import BUILTIN
 
     n_configs = len(plans.FORWARD_CONFIGS) + len(plans.WS_FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS)
-    assert len(inst) == len(set(inst)) == 2 * len(BUILTIN) * n_configs  # dtypes x policies x configs
+    # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 plain scores
+    loaders = sum(plans.uses_loader(d, v, own=False) for v in BUILTIN for d in plans.BACKWARD_CONFIGS)
+    assert loaders == len(BUILTIN) + sum(v.score_name == "PlainScore" for v in BUILTIN) == 10
+    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + loaders)
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
@@ -342,12 +346,58 @@ def test_backward_keep_bit_drawer_with_plain_dropout_only(d):
         assert plan.main.shared_bytes == cfg.shared_bytes + cfg.keep_ring_bytes() <= 227 * 1024
     bits = 8 if d == 64 else 4  # KeepBits<Br / 8>: 8 n8 tiles or fewer fit 32 bits
     assert cfg.keep_ring_bytes() == plans.KEEP_SLOTS * (256 * bits + 16) + 16
-    for variant in (Variant(), Variant(causal=True, softcap=30.0, dropout=0.1), Variant(alibi=True, dropout=0.1)):
+    for variant in (Variant(causal=True, softcap=30.0, dropout=0.1), Variant(alibi=True, dropout=0.1)):
         plan = plans.plan_backward(2, 8, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant)
         assert not plans.uses_drawer(cfg, variant)
         assert plan.main.block == (256, 1, 1) and plan.main.name == cfg.name("__nv_bfloat16", variant.cpp_policy)
+    assert not plans.uses_drawer(cfg, Variant())  # (it takes the loader instead)
     own = plans.plan_backward(1, 2, 2, 128, 128, d, "__half", H100, variant=Variant(dropout=0.1))
     assert own.own_dq and own.main.name.endswith(", true, true>")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_loader_where_it_applies(d, monkeypatch):
+    """The backward's loader warpgroup (a third warpgroup, its ring's mbarriers and a second dS^T buffer in shared
+    memory) runs every call without dropout, mask/bias arrays or dQ ownership, at D = 64 on plain scores only (the
+    others spill there); LOADER = False gives every call the lockstep kernel."""
+    from cupyflash.flex import FlexSpec
+
+    cfg = plans.BACKWARD_CONFIGS[d]
+    assert cfg.loader_bytes == 2 * cfg.stages * 8 + 16 + cfg.bc * cfg.br * 2
+    doc = FlexSpec(mask_mod="q_idx >= kv_idx")
+    plain = (Variant(), Variant(causal=True), Variant(window=(9, 3)), Variant(causal=True, flex=doc,
+             block_mask=(("bm_size", 64),), block_bits=True))  # fmt: skip
+    scored = (Variant(softcap=30.0), Variant(causal=True, alibi=True), Variant(window=(9, 3), softcap=5.0))
+    score_mod = Variant(flex=FlexSpec(score_mod="score * 0.5f", score_mod_grad="0.5f"))
+    without = (Variant(dropout=0.1), Variant(causal=True, mask=True), score_mod)
+    for variant in plain + scored + without:
+        plan = plans.plan_backward(2, 8, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant)
+        loader = variant in plain or (d == 128 and variant in scored)
+        assert plans.uses_loader(d, variant, own=False) is loader, variant
+        assert plan.main.name.endswith(", false, false, true>") is loader, (variant, plan.main.name)
+        if loader:
+            assert plan.main.block == (384, 1, 1) and plan.main.name == cfg.name("__nv_bfloat16", variant.cpp_policy,
+                                                                                 loader=True)  # fmt: skip
+            assert plan.main.shared_bytes == cfg.shared_bytes + cfg.loader_bytes <= 227 * 1024
+        monkeypatch.setattr(plans, "LOADER", False)
+        plan = plans.plan_backward(2, 8, 2, 1000, 1000, d, "__nv_bfloat16", H100, variant=variant)
+        assert not plan.main.name.endswith(", false, false, true>") and not plans.uses_loader(d, variant, False)
+        monkeypatch.setattr(plans, "LOADER", True)
+    own = plans.plan_backward(1, 2, 2, 128, 128, d, "__half", H100)
+    assert own.own_dq and own.main.block == (256, 1, 1) and not plans.uses_loader(d, Variant(), own=True)
+    # the kernels CI compiles: lockstep for every policy, and with the loader where the plans give it one
+    names = [name for _, name in plans.instantiations(("__half",), plain[:3] + scored)]
+    assert sum(name.endswith(", false, false, true>") for name in names) == 3 * 2 + 3
+
+
+@pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
+def test_backward_loader_pipe_matches_cpp():
+    """The loader's FULL/EMPTY mbarriers take what BackwardConfig.loader_bytes gives them (ws::Pipe<kStages>)."""
+    from test_launch_abi import probe_values
+
+    for cfg in plans.BACKWARD_CONFIGS.values():
+        (pipe,) = probe_values(plans.BACKWARD_SOURCE, [f"cupyflash::ws::Pipe<{cfg.stages}>::kBytes"], "compute_90a")
+        assert pipe + 16 + cfg.bc * cfg.br * 2 == cfg.loader_bytes
 
 
 @pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))

@@ -219,10 +219,19 @@ class BackwardConfig:
         tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
         return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
 
-    def name(self, ctype: str, policy: str, own_dq: bool = False, drawer: bool = False) -> str:
-        # kOwnDQ (cuda_src/dq_own.cuh), then kDrawer
-        tail = f", {'true' if own_dq else 'false'}, true" if drawer else ", true" if own_dq else ""
+    def name(self, ctype: str, policy: str, own_dq: bool = False, drawer: bool = False, loader: bool = False) -> str:
+        # kOwnDQ (cuda_src/dq_own.cuh), kDrawer, kLoader: trailing defaults (false) left out
+        flags = [own_dq, drawer, loader]
+        while flags and not flags[-1]:
+            flags.pop()
+        tail = "".join(f", {'true' if f else 'false'}" for f in flags)
         return f"wgmma_flash_bwd<{ctype}, {self.d}, {self.br}, {self.warpgroups}, {self.stages}, {policy}{tail}>"
+
+    @property
+    def loader_bytes(self) -> int:
+        """Shared memory the loader warpgroup adds: the ring's FULL/EMPTY mbarriers (and 16 bytes of alignment
+        slack) and the second dS^T buffer (Bc x Br) that lets its kernel drop the top-of-step barrier."""
+        return 2 * self.stages * 8 + 16 + self.bc * self.br * _ELEM
 
     def keep_ring_bytes(self) -> int:
         """Shared memory of the drawer's keep-bit ring (KEEP_SLOTS steps of every compute warp's bits, 8 or 4
@@ -240,6 +249,24 @@ KEEP_SLOTS = 4
 
 def uses_drawer(cfg: BackwardConfig, variant: Variant) -> bool:
     return variant.dropout > 0 and variant.score_name == "PlainScore" and cfg.d in DRAWER_HEAD_DIMS
+
+
+#: The backward's loader warpgroup (kLoader, cuda_src/wgmma_backward.cu): a third warpgroup copies every step's
+#: Q_i/dO_i/lse/Delta into the ring, so the two that compute lose the copies and the top-of-step barrier. Measured
+#: 1.01-1.05x the lockstep kernel on an H200 (benchmarks/NOTES.md, s24). False: every backward runs lockstep (tests
+#: and dev scripts compare the two).
+LOADER = True
+
+
+def uses_loader(d: int, variant: Variant, own: bool) -> bool:
+    """Does the backward's main kernel run with the loader warpgroup? Not with dropout (the drawer's place), mask/bias
+    arrays (staged tiles) or when the block owns dQ; at D = 64 only on plain scores: its compute warpgroups' 240
+    registers (255 lockstep) spill 470-890 B with softcap, ALiBi or a score_mod (72-160 B lockstep), at D = 128
+    12 B (the loader's) with any built-in score, 56-80 B with a score_mod."""
+    if not LOADER or own or variant.dropout > 0 or variant.arrays:
+        return False
+    score = variant.score_name
+    return score == "PlainScore" or (d == 128 and not score.startswith("FlexScore"))
 
 
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
@@ -271,9 +298,10 @@ def plan_backward(
     own = owns_dq(tiles, total)
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
     drawer = uses_drawer(cfg, variant)
-    threads = cfg.threads + 128 * drawer
-    smem += cfg.keep_ring_bytes() if drawer else 0
-    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer), grid, (threads, 1, 1), smem,
+    loader = uses_loader(cfg.d, variant, own) and smem + cfg.loader_bytes <= limits.max_shared_per_block
+    threads = cfg.threads + 128 * (drawer or loader)
+    smem += cfg.keep_ring_bytes() if drawer else cfg.loader_bytes if loader else 0
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer, loader), grid, (threads, 1, 1), smem,
                       max_carveout=True)
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
@@ -281,12 +309,15 @@ def plan_backward(
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
                    ) -> list[tuple[str, str]]:  # fmt: skip
     """The forward (lockstep and warp-specialised) and backward main kernels (the backward's helpers are the mma
-    family's), with the policies of ``variants``."""
+    family's; lockstep, and with the loader where ``uses_loader`` gives it one), with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
-        for pol in (v.cpp_policy for v in variants):
+        for v in variants:
+            pol = v.cpp_policy
             out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
+            out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True)) for c in BACKWARD_CONFIGS.values()
+                    if uses_loader(c.d, v, own=False)]
     return out
 
 
