@@ -51,8 +51,12 @@ __device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
 // compute warp) once the step's last product reading it (dK) has landed. They lose the copies' issue and address
 // arithmetic and the barrier at the top of a step: dS^T has two buffers (step it writes buffer it % 2), so a
 // warpgroup a step ahead never writes the half the other still reads for dQ (tests/test_ws_backward_protocol.py
-// models both rules). The barrier stays for deterministic turns, whose pass it orders. Not with dropout (the
-// drawer's place), mask/bias arrays (staged tiles) or kOwnDQ. Measured 1.01-1.05x the lockstep kernel (H200, s24).
+// models both rules). The barrier stays for deterministic turns, whose pass it orders. The loader also adds dQ_i
+// into the f32 accumulator: the compute warpgroups store their parts into a shared tile (FULL/EMPTY of dq_pipe) and
+// the loader hands each row to a bulk reduction (cp.reduce.async.bulk ... add.f32), instead of 16 red.global.add.v2 a
+// compute thread a step; deterministic turns keep the red.add path. Not with dropout (the drawer's place), mask/bias
+// arrays (staged tiles) or kOwnDQ. Measured against the lockstep kernel 1.01-1.05x (loader), then the bulk dQ adds
+// 1.05-1.10x at D = 64, 1.17x with softcap at D = 128, 0.97-1.02x on its plain scores (H200, s24).
 //
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
 template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false,
@@ -115,7 +119,12 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
   constexpr int kKeepPerSlot = kWG * 4 * 32;
   const uint32_t sKeep_u = (sScore_u + kStages * kScoreBytes + 15u) & ~15u;
   const ws::Pipe<kKeepSlots> keep_pipe{sKeep_u + kKeepSlots * kKeepPerSlot * static_cast<int>(sizeof(Keep))};
-  const ws::Pipe<kStages> load_pipe{(sKeep_u + 7u) & ~7u};  // kLoader: the ring's FULL/EMPTY (no drawer then)
+  // kLoader (no drawer then): the dQ tile for the loader's bulk adds (Br rows of D floats, kDQPitch bytes apart), then
+  // the ring's FULL/EMPTY and the dQ tile's.
+  constexpr int kDQPitch = D * 4 + 32;  // a row's float2 stores from 8 rows x 4 lanes fall in distinct banks
+  const uint32_t sDQ_u = (sKeep_u + 127u) & ~127u;
+  const ws::Pipe<kStages> load_pipe{sDQ_u + Br * kDQPitch};
+  const ws::Pipe<1> dq_pipe{load_pipe.base + ws::Pipe<kStages>::kBytes};
   auto at = [&](uint32_t u) { return smem_raw + (u - raw_u); };
   T* const sK = reinterpret_cast<T*>(at(sK_u));
   T* const sV = reinterpret_cast<T*>(at(sV_u));
@@ -145,6 +154,8 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
     hh = hkv * group + it / per_head;
     i0 = (m_start + it % per_head) * Br;
   };
+  // kLoader: dQ_i's adds go through the loader's bulk reductions, unless deterministic turns order them (red.add)
+  const bool bulk_dq = kLoader && p.dq_turns == nullptr;
   if constexpr (kDrawer) {
     if (threadIdx.x == 0) {
       keep_pipe.init(128, kThreads);
@@ -180,10 +191,25 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
   if constexpr (kLoader) {
     if (threadIdx.x == 0) {
       load_pipe.init(128, kWG * 4);
+      dq_pipe.init(kWG * 4, 128);  // the compute warps write dQ_i, the loader's threads read it
       ws::mbar_init_fence();
     }
     __syncthreads();  // the last barrier of all 384 threads
-    if (threadIdx.x >= kThreads) {  // the loader: copies only, in ws_primitives.cuh's lean copy_tile loops
+    // dQ_i of step t, from the compute warpgroups' tile into dQ's f32 accumulator: one bulk reduction a row (thread
+    // tid's row tid), read from shared memory before the tile goes back to the compute warpgroups.
+    auto add_dq = [&](int t, int tid) {
+      ws::mbar_wait(dq_pipe.full(t), ws::Ring<1>::fill_parity(t));
+      int hh, i0;
+      tile_of(t, hh, i0);
+      const int bo = opaque(b);
+      const SeqRows sq = seq_queries(p, bo);
+      if (tid < Br && i0 + tid < sq.nq)
+        ws::bulk_add_f32(dq_accum + (scratch_row(p, sq, bo, hh) + i0 + tid) * d, sDQ_u + tid * kDQPitch, d * 4);
+      ws::bulk_commit();
+      ws::bulk_wait_read<0>();
+      ws::mbar_arrive(dq_pipe.empty(t));
+    };
+    if (threadIdx.x >= kThreads) {  // the loader: copies and dQ's bulk adds, in lean loops
       ws::regs_dec<DrawerRegs::kProducerRegs>();
       const int tid = threadIdx.x - kThreads;
       if (total > 0) {  // K_j and V_j ride in step 0's group
@@ -217,7 +243,9 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
         }
         cp_async_commit();
         ws::publish<0>(load_pipe.full(it));
+        if (bulk_dq && it > 0) add_dq(it - 1, tid);
       }
+      if (bulk_dq && total > 0) add_dq(total - 1, tid);
       return;
     }
     ws::regs_inc<DrawerRegs::kConsumerRegs>();
@@ -484,8 +512,24 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
       const int turn = dq_turn_at<Br, Bc, typename Policy::Mask>(p, turn_slot, opaque(b), i0, j0);
       dq_turn_wait<kSync>(turn_slot, turn, turn_seen);
     }
-    {  // dQ_i's part, added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is complete
-       // and stored as scale * dS K_j (dq_own.cuh)
+    if (bulk_dq) {  // dQ_i's part into the loader's tile, once it has read step it-1's
+      ws::mbar_wait(dq_pipe.empty(it), ws::Ring<1>::refill_parity(it));
+      const int row0 = (kDQByRows ? wg * 64 : 0) + warp * 16 + (lane >> 2);
+      const int col0 = (kDQByRows ? 0 : wg * 64) + quad2;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const uint32_t addr = sDQ_u + (row0 + hf * 8) * kDQPitch + (col0 + n * 8) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc_dq[n][2 * hf]),
+                       "f"(acc_dq[n][2 * hf + 1]) : "memory");
+        }
+      }
+      wgmma::fence_proxy_async();  // for the loader's bulk reads (the async proxy)
+      __syncwarp();
+      if (lane == 0) ws::mbar_arrive(dq_pipe.full(it));
+    } else {  // dQ_i's part, added into the f32 accumulator; kOwnDQ: the only block on these rows, so dQ_i is
+              // complete and stored as scale * dS K_j (dq_own.cuh)
       const int bo = opaque(b);
       const SeqRows sq = seq_queries(p, bo);
       const int nq = kOwnDQ ? p.nq : sq.nq;

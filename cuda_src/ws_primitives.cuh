@@ -141,6 +141,20 @@ __device__ __forceinline__ void publish(uint32_t full) {
   ws::mbar_arrive(full);
 }
 
+// Bulk reductions by the async proxy (PTX cp.reduce.async.bulk): dst[0, bytes) += the f32s at shared address src
+// (16-byte aligned, bytes a multiple of 16), in this thread's bulk group; commit closes the group, wait_read<N>
+// returns once all but the newest N groups have read their shared memory (which may then be written again).
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
 // A tile of kRows x (64 kSlabs) elements into shared memory at dst (64-column slabs of TileLayout<64>, kRows * 128
 // bytes apart) by the producer's 128 threads (thread tid): as load_tile_async, but each thread walks its rows in a
 // rolled loop, one source pointer and one shared address moved a step at a time, which fits the producer's few

@@ -363,7 +363,7 @@ def test_backward_loader_where_it_applies(d, monkeypatch):
     from cupyflash.flex import FlexSpec
 
     cfg = plans.BACKWARD_CONFIGS[d]
-    assert cfg.loader_bytes == 2 * cfg.stages * 8 + 16 + cfg.bc * cfg.br * 2
+    assert cfg.loader_bytes == cfg.bc * cfg.br * 2 + cfg.br * (4 * d + 32) + 2 * (cfg.stages + 1) * 8 + 144
     doc = FlexSpec(mask_mod="q_idx >= kv_idx")
     plain = (Variant(), Variant(causal=True), Variant(window=(9, 3)), Variant(causal=True, flex=doc,
              block_mask=(("bm_size", 64),), block_bits=True))  # fmt: skip
@@ -392,12 +392,13 @@ def test_backward_loader_where_it_applies(d, monkeypatch):
 
 @pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))
 def test_backward_loader_pipe_matches_cpp():
-    """The loader's FULL/EMPTY mbarriers take what BackwardConfig.loader_bytes gives them (ws::Pipe<kStages>)."""
+    """The loader's mbarriers take what BackwardConfig.loader_bytes gives them (ws::Pipe<kStages> and ws::Pipe<1>)."""
     from test_launch_abi import probe_values
 
     for cfg in plans.BACKWARD_CONFIGS.values():
-        (pipe,) = probe_values(plans.BACKWARD_SOURCE, [f"cupyflash::ws::Pipe<{cfg.stages}>::kBytes"], "compute_90a")
-        assert pipe + 16 + cfg.bc * cfg.br * 2 == cfg.loader_bytes
+        ring, dq = probe_values(plans.BACKWARD_SOURCE, [f"cupyflash::ws::Pipe<{cfg.stages}>::kBytes",
+                                                        "cupyflash::ws::Pipe<1>::kBytes"], "compute_90a")  # fmt: skip
+        assert ring + dq + 144 + cfg.bc * cfg.br * 2 + cfg.br * (4 * cfg.d + 32) == cfg.loader_bytes
 
 
 @pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))

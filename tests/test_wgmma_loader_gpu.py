@@ -3,8 +3,9 @@ applies) against the lockstep kernel (plans.wgmma.LOADER off) and the float64 re
 
 Each kernel is reached explicitly: the test flips plans.wgmma.LOADER, clears the backward's plan cache, and checks
 that the plan it gets has the loader's third warpgroup (384 threads) or not (256). Both kernels run the same
-products in the same order, so dK and dV must be bitwise equal (dQ too under deterministic turns; otherwise its
-atomic adds land in any order) and every gradient within the reference's bound (tests/conftest.py's TOL_GRAD).
+products in the same order, so dK and dV must be bitwise equal (dQ too under deterministic turns, whose red.add
+path both take; otherwise the loader adds dQ by bulk reductions and the adds land in any order) and every gradient
+within the reference's bound (tests/conftest.py's TOL_GRAD).
 Outputs start as NaN (the memory pool poisoned before each call); inputs are fresh random ones: GQA, Nq != Nk,
 ragged last tiles, several key tiles and query steps per block, each built-in score that takes the loader, sinks,
 and a user mask_mod with its block mask (bits of mixed tiles).

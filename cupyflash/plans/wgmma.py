@@ -229,9 +229,10 @@ class BackwardConfig:
 
     @property
     def loader_bytes(self) -> int:
-        """Shared memory the loader warpgroup adds: the ring's FULL/EMPTY mbarriers (and 16 bytes of alignment
-        slack) and the second dS^T buffer (Bc x Br) that lets its kernel drop the top-of-step barrier."""
-        return 2 * self.stages * 8 + 16 + self.bc * self.br * _ELEM
+        """Shared memory the loader warpgroup adds: the second dS^T buffer (Bc x Br) that lets its kernel drop the
+        top-of-step barrier, the dQ_i tile of its bulk adds (Br rows of D floats, 32 bytes of padding a row), the
+        ring's and the dQ tile's FULL/EMPTY mbarriers, and 144 bytes of alignment slack."""
+        return self.bc * self.br * _ELEM + self.br * (4 * self.d + 32) + 2 * (self.stages + 1) * 8 + 144
 
     def keep_ring_bytes(self) -> int:
         """Shared memory of the drawer's keep-bit ring (KEEP_SLOTS steps of every compute warp's bits, 8 or 4
