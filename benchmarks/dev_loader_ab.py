@@ -40,7 +40,14 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=None, help="dev_bwd_ab.py's rows instead of the default four")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--no-agree", action="store_true", help="timings only")
+    ap.add_argument("--any-score", action="store_true",
+                    help="the loader at D = 64 with every score too (uses_loader keeps it to plain scores there)")
     a = ap.parse_args()
+    if a.any_score:
+        from cupyflash.plans import wgmma
+
+        rule = wgmma.uses_loader
+        wgmma.uses_loader = lambda d, variant, own: rule(128, variant, own)  # D = 128's rule at every head dim
     bf16 = cp.dtype("bfloat16")
     rng = cp.random.default_rng(1)
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}", flush=True)

@@ -253,21 +253,26 @@ def uses_drawer(cfg: BackwardConfig, variant: Variant) -> bool:
 
 
 #: The backward's loader warpgroup (kLoader, cuda_src/wgmma_backward.cu): a third warpgroup copies every step's
-#: Q_i/dO_i/lse/Delta into the ring, so the two that compute lose the copies and the top-of-step barrier. Measured
-#: 1.01-1.05x the lockstep kernel on an H200 (benchmarks/NOTES.md, s24). False: every backward runs lockstep (tests
-#: and dev scripts compare the two).
+#: Q_i/dO_i/lse/Delta into the ring and adds dQ_i by bulk reductions, so the two that compute lose the copies, the
+#: top-of-step barrier and dQ's red.add. Measured 1.01-1.05x the lockstep kernel with the copies alone, then the bulk
+#: dQ adds 1.05-1.10x more at D = 64, 0.97-1.17x at D = 128 (H200; benchmarks/NOTES.md, s24). False: every backward
+#: runs lockstep (tests and dev scripts compare the two).
 LOADER = True
+
+#: Scores whose D = 64 backward takes the loader: the compute warpgroups' 240 registers (255 lockstep) hold plain
+#: scores spill-free and ALiBi with 68/84 B (1.07x the lockstep kernel, which spills none); softcap and score_mods
+#: spill 450-890 B there (softcap measured 0.68x). At D = 128 every built-in score takes it (the loader's own 20/28 B).
+LOADER_SCORES_D64 = frozenset({"PlainScore", "AlibiScore"})
 
 
 def uses_loader(d: int, variant: Variant, own: bool) -> bool:
     """Does the backward's main kernel run with the loader warpgroup? Not with dropout (the drawer's place), mask/bias
-    arrays (staged tiles) or when the block owns dQ; at D = 64 only on plain scores: its compute warpgroups' 240
-    registers (255 lockstep) spill 470-890 B with softcap, ALiBi or a score_mod (72-160 B lockstep), at D = 128
-    12 B (the loader's) with any built-in score, 56-80 B with a score_mod."""
+    arrays (staged tiles) or when the block owns dQ; at D = 64 on LOADER_SCORES_D64 only; never with a score_mod
+    (FlexScore: 56-80 B of spill at D = 128, not measured)."""
     if not LOADER or own or variant.dropout > 0 or variant.arrays:
         return False
     score = variant.score_name
-    return score == "PlainScore" or (d == 128 and not score.startswith("FlexScore"))
+    return score in LOADER_SCORES_D64 or (d == 128 and not score.startswith("FlexScore"))
 
 
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
