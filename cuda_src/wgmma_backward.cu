@@ -29,8 +29,8 @@
 using namespace cupyflash;
 using namespace cupyflash::mma;
 
-// Registers with the drawer: the warp-specialised forward's split (ws::WsRegs<2>: the launch gives each of the 384
-// threads 168; the drawer keeps the producer's 24 and the two compute warpgroups take 240 each).
+// Registers with the drawer or the loader: the warp-specialised forward's split (ws::WsRegs<2>: the launch gives each
+// of the 384 threads 168; the helper keeps the producer's 24 and the two compute warpgroups take 240 each).
 using DrawerRegs = ws::WsRegs<2>;
 constexpr int kKeepSlots = 4;  // steps the drawer may run ahead (plans.wgmma.KEEP_SLOTS)
 
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
   const long long do_sb = p.dout_s.b, do_sh = p.dout_s.h, do_sn = p.dout_s.n;
   const long long lse_sb = p.lse_s.b, lse_sh = p.lse_s.h, lse_sn = p.lse_s.n;
   const float scale_log2 = p.scale_log2;
-  constexpr int kThreads = kWG * 128;  // the warpgroups that compute (the drawer comes after them)
+  constexpr int kThreads = kWG * 128;  // the warpgroups that compute (the drawer or the loader comes after them)
   constexpr int kSync = kDrawer || kLoader ? kThreads : 0;  // their barrier: sync_block<kSync>
   constexpr int Bc = 64 * kWG;
   constexpr int kSlabs = D / 64;  // 64-column slabs of a Q/K/V/dO tile
