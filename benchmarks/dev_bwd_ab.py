@@ -53,6 +53,19 @@ def flex_keywords(case: str, b: int, n: int) -> dict:
     return kw
 
 
+def row_keywords(name: str, b: int, h: int, n: int) -> tuple[bool, dict]:
+    """(causal, keywords) of a row at batch b, h heads, length n: ALiBi slopes and snippets filled in."""
+    import cupy as cp
+
+    causal, kw = ROWS[name]
+    kw = dict(kw)
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = (2.0 ** (-8.0 * (cp.arange(h, dtype=cp.float32) + 1) / h)).astype(cp.float32)
+    if "flex" in kw:
+        kw = flex_keywords(kw["flex"], b, n)
+    return causal, kw
+
+
 def main() -> None:
     import cupy as cp
 
@@ -72,13 +85,8 @@ def main() -> None:
             rng = cp.random.default_rng(0)
             q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(bf16) for _ in range(4))
             for name in a.rows or DEFAULT_ROWS[a.which]:
-                causal, kw = ROWS[name]
-                kw = dict(kw)
-                if "alibi_slopes" in kw:
-                    kw["alibi_slopes"] = (2.0 ** (-8.0 * (cp.arange(h, dtype=cp.float32) + 1) / h)).astype(cp.float32)
+                causal, kw = row_keywords(name, b, h, n)
                 det = kw.pop("deterministic", False)
-                if "flex" in kw:
-                    kw = flex_keywords(kw["flex"], b, n)
                 o, lse = cf.attention_forward(q, k, v, causal=causal, **kw)
                 if a.which == "fwd":
                     digest = hashlib.sha1(o.get().tobytes() + lse.get().tobytes()).hexdigest()[:12]

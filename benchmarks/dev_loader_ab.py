@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dev_bwd_ab import ROWS, flex_keywords  # noqa: E402
+from dev_bwd_ab import row_keywords  # noqa: E402
 from dev_ws_ab import per_call_ms  # noqa: E402
 
 
@@ -71,17 +71,8 @@ def main() -> None:
         b, h = 16384 // n, 2048 // d
         q, k, v, do = (rng.standard_normal((b, h, n, d), dtype=cp.float32).astype(bf16) for _ in range(4))
         names = a.rows or (["causal"] if a.quick else ["full", "causal", "doc8", "prefix"])
-        rows = []
         for name in names:
-            causal, kw = ROWS[name]
-            kw = dict(kw)
-            if "alibi_slopes" in kw:
-                kw["alibi_slopes"] = (2.0 ** (-8.0 * (cp.arange(h, dtype=cp.float32) + 1) / h)).astype(cp.float32)
-            if "flex" in kw:
-                kw = flex_keywords(kw["flex"], b, n)
-            rows.append((name, causal, kw))
-        for name, causal, kw in rows:
-            kw = dict(kw)
+            causal, kw = row_keywords(name, b, h, n)
             det = kw.pop("deterministic", False)
             o, lse = cf.attention_forward(q, k, v, causal=causal, **kw)
             call = lambda: cf.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=det,  # noqa: E731

@@ -154,6 +154,15 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
     hh = hkv * group + it / per_head;
     i0 = (m_start + it % per_head) * Br;
   };
+  // Element e of step (hh, i0)'s lse (e < Br) and Delta (e >= Br) into ring slot buf by cp.async; rows past Nq: 0
+  // (they then contribute nothing whatever P is). The lockstep kernel's load_step and the loader both copy so.
+  auto copy_stat = [&](int e, int buf, int hh, int i0, int bo, const SeqRows& sq) {
+    const int r = e % Br;
+    const int i = min(i0 + r, sq.nq - 1);  // >= 0: a step exists only where the sequence has queries
+    const float* src = e < Br ? lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn
+                              : delta + scratch_row(p, sq, bo, hh) + i;
+    cp_async_4(sStat_u + (buf * 2 * Br + e) * 4, src, i0 + r < sq.nq ? 4 : 0);
+  };
   // kLoader: dQ_i's adds go through the loader's bulk reductions, unless deterministic turns order them (red.add)
   const bool bulk_dq = kLoader && p.dq_turns == nullptr;
   if constexpr (kDrawer) {
@@ -234,13 +243,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
         ws::copy_tile<T, Br, kSlabs>(sdO_u + buf * kQBytes, dout + bo * do_sb + hh * do_sh + row * dos, dos,
                                      sq.nq - i0, d, tid);
 #pragma unroll 1
-        for (int e = tid; e < 2 * Br; e += 128) {  // lse, then Delta (as load_step)
-          const int r = e % Br;
-          const int i = min(i0 + r, sq.nq - 1);
-          const float* src = e < Br ? lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn
-                                    : delta + scratch_row(p, sq, bo, hh) + i;
-          cp_async_4(sStat_u + (buf * 2 * Br + e) * 4, src, i0 + r < sq.nq ? 4 : 0);
-        }
+        for (int e = tid; e < 2 * Br; e += 128) copy_stat(e, buf, hh, i0, bo, sq);  // lse, then Delta
         cp_async_commit();
         ws::publish<0>(load_pipe.full(it));
         if (bulk_dq && it > 0) add_dq(it - 1, tid);
@@ -272,14 +275,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
       load_tile_async<T, 64, Br, kThreads>(sdO + (buf * kSlabs + sl) * Br * 64, gdO + 64 * sl, do_sn, nq - i0,
                                            d - 64 * sl, tid);
     }
-    if (tid < 2 * Br) {
-      const int r = tid % Br;
-      const int i = min(i0 + r, nq - 1);  // >= 0: a step exists only where the sequence has queries
-      const int nbytes = i0 + r < nq ? 4 : 0;
-      const float* src = tid < Br ? lse + bo * lse_sb + hh * lse_sh + (sq.q_row0 + i) * lse_sn
-                                  : delta + scratch_row(p, sq, bo, hh) + i;
-      cp_async_4(smem_u32(sStat + buf * 2 * Br + tid), src, nbytes);
-    }
+    if (tid < 2 * Br) copy_stat(tid, buf, hh, i0, bo, sq);
     stage_score_tile<typename Policy::Score, kThreads>(p, bo, hh, i0, j0, sScore_u + buf * kScoreBytes, tid);
   };
 
