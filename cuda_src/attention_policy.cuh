@@ -153,12 +153,18 @@ __device__ __forceinline__ float distance_of(int q, int offset, int k) {
 // kMayCap = false (AlibiScore): ALiBi alone, no softcap, known at compile time (the plans pick it for calls with
 // slopes and softcap 0): softcapped() is the constant false, so its kernels hold no softcap code, and its key-major
 // strips under a one-sided mask (the backwards') take ALiBi's distance without the abs (alibi_strip_one_sided_keys).
-// The two share a type only in name: separate instantiations, so neither kernel's schedule moves the other's.
-template <bool kMayCap>
+// kMaySlope = false (SoftcapScore): softcap alone, known at compile time (the plans pick it for calls with a softcap
+// and no slopes): sloped() is the constant false, so no ALiBi distance is computed (the backward's key-major strips
+// and its ds_factor computed one per score with a zero slope): the D = 64 wgmma backward went from 160-176 B of
+// spill to none, and its loader warpgroup's compute path from 450-490 B to 8 B (NVRTC 13.5, sm_90a).
+// The three share a type only in name: separate instantiations, so no kernel's schedule moves another's.
+template <bool kMayCap, bool kMaySlope = true>
 struct ModScoreOf {
+  static_assert(kMayCap || kMaySlope, "a softcap, ALiBi or both");
   static constexpr bool kIdentity = false;
   static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
   static constexpr bool kAlibiOnly = !kMayCap;
+  static constexpr bool kSoftcapOnly = !kMaySlope;
   // The kernel's __grid_constant__ params: the softcap's scalars are read from the constant bank where they
   // are used (copies would cost registers in kernels at their limit), as ArrayScore does.
   const AttentionParams* P;
@@ -166,16 +172,18 @@ struct ModScoreOf {
   float slope_log2 = 0.f;  // -slope_h * log2(e), or 0 without ALiBi
   __device__ ModScoreOf(const AttentionParams& p, int nq, int nk) : P(&p), offset(nk - nq) {}
   __device__ __forceinline__ void at_head(const AttentionParams& p, int b, int h) {
-    slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
+    if constexpr (kMaySlope) slope_log2 = p.alibi != nullptr ? -p.alibi[b * p.alibi_sb + h] * kLog2e : 0.f;
   }
+  // (SoftcapScore: always true, as the plans pick it only with a softcap; the run-time test stays: as the constant
+  // true, ptxas scheduled the mma 2-D backward with dropout worse, 168 B of spill on sm_80 against none)
   __device__ __forceinline__ bool softcapped() const { return kMayCap && P->softcap_log2 > 0.f; }
   // Does this head add an ALiBi term? (A zero slope adds exactly nothing, so its heads may skip the distances.)
-  __device__ __forceinline__ bool sloped() const { return slope_log2 != 0.f; }
+  __device__ __forceinline__ bool sloped() const { return kMaySlope && slope_log2 != 0.f; }
   // kCap / kSlope: the softcap / ALiBi term, known present (the tensor-core strips' uniform tests) or absent.
   template <bool kFast, bool kCap, bool kSlope = true>
   __device__ __forceinline__ float log2_score_as(float r, int q, int k) const {
     const float x = kCap ? P->softcap_log2 * tanh_of<kFast>(r * P->softcap_scale) : r * P->scale_log2;
-    return kSlope ? fmaf(slope_log2, distance_of(q, offset, k), x) : x;
+    return kSlope && kMaySlope ? fmaf(slope_log2, distance_of(q, offset, k), x) : x;
   }
   template <bool kFast>
   __device__ __forceinline__ float log2_score(float r, int q, int k) const {
@@ -190,7 +198,8 @@ struct ModScoreOf {
     } else {
       if (!(Pij > 0.f)) return 0.f;
       const float lg = kFast ? fast_log2(Pij) : log2f(Pij);
-      const float t = (lg + lse2 - slope_log2 * distance_of(q, offset, k)) * P->softcap_inv_log2;
+      const float slope = kMaySlope ? slope_log2 * distance_of(q, offset, k) : 0.f;
+      const float t = (lg + lse2 - slope) * P->softcap_inv_log2;
       return 1.f - t * t;
     }
   }
@@ -202,6 +211,7 @@ struct ModScoreOf {
 
 using ModScore = ModScoreOf<true>;     // softcap and/or ALiBi, decided at run time
 using AlibiScore = ModScoreOf<false>;  // ALiBi alone
+using SoftcapScore = ModScoreOf<true, false>;  // softcap alone
 
 // Does a score type split its softcap out at compile time (ModScore's kCap forms)?
 CUPYFLASH_POLICY_FLAG(SplitsSoftcap, kSplitsSoftcap);

@@ -128,8 +128,11 @@ class Variant:
             return f"FlexScore<cupyflash::{base}, cupyflash::ScoreFns<{USER}>>" if self.flex.score_mod else base
         if not (self.mask or self.bias):
             # ALiBi alone gets kernels without softcap code (attention_policy.cuh's AlibiScore): the backward's
-            # one-sided distances there (benchmarks/NOTES.md, s20)
-            return "AlibiScore" if base == "ModScore" and not self.softcap else base
+            # one-sided distances there (benchmarks/NOTES.md, s20); softcap alone kernels without ALiBi's distances
+            # (SoftcapScore: the D = 64 wgmma backward spill-free, and room for its loader warpgroup, s24)
+            if base == "ModScore" and not (self.softcap and self.alibi):
+                return "SoftcapScore" if self.softcap else "AlibiScore"
+            return base
         # Mask and bias arrays ride on the built-in score rule (ArrayScore<Base, BiasT, kMask, kBias>); the bias's
         # type is a template argument (float when there is no bias).
         flags = ", ".join("true" if x else "false" for x in (self.mask, self.bias))
@@ -239,6 +242,7 @@ BUILTIN: tuple[Variant, ...] = (
     Variant(causal=True, softcap=30.0),
     Variant(window=(8, 8), softcap=30.0),
     Variant(causal=True, alibi=True),  # AlibiScore: ALiBi without softcap (its other masks compile on demand)
+    Variant(causal=True, softcap=30.0, alibi=True),  # ModScore: both (the three softcap rows above: SoftcapScore)
 )
 #: Mask/bias policies (issue 17): a representative few, compiled by CI for every family (not the whole cross
 #: product: each adds one instantiation per kernel configuration).

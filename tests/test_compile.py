@@ -43,9 +43,9 @@ ARCHS = {
 SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
     ("mma_flash_fwd<__half, 128, 128, 64, 4,", "*"): 128,
     ("mma_flash_fwd<__nv_bfloat16, 128, 128, 64, 4,", "*"): 128,
-    ("mma_flash_fwd<__half, 192, 64, 32, 4, 2, 1, cupyflash::Policy<cupyflash::Window, cupyflash::ModScore>", "*"): 16,
-    ("mma_flash_fwd<__nv_bfloat16, 192, 64, 32, 4, 2, 1, cupyflash::Policy<cupyflash::Window, cupyflash::ModScore>",
-     "*"): 16,
+    # (and with SoftcapScore, s24: 4/4 B on sm_90a)
+    **{(f"mma_flash_fwd<{ct}, 192, 64, 32, 4, 2, 1, cupyflash::Policy<cupyflash::Window, cupyflash::{score}>", "*"): 16
+       for ct in ("__half", "__nv_bfloat16") for score in ("ModScore", "SoftcapScore")},
     # 52/76 B (sm_80, Window) once varlen's per-step re-reads of cu_seqlens went through the read-only path
     # instead of volatile loads (32/56 B with those); that change took the H100's varlen backward from 0.68-0.71x
     # to 0.91-0.92x of the dense one (benchmarks/NOTES.md, "Session 2026-11-23d").
@@ -89,8 +89,9 @@ SPILL_ALLOWANCE: dict[tuple[str, str], int] = {
        for own in ("false", "true")},
     # The float32 (3xTF32) D = 128 key-major backward with dropout, NVRTC 13.5 sm_80: 32/52 B (24 B stack) at 255
     # registers (Br = 16: 36/60 B, dp_chunks = 2: 64/116 B; not better). Every built-in policy is spill-free.
-    ("mma_flash_bwd<float, 128, 32, 8, 1, 2, 1, 1, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore, "
-     "cupyflash::Dropout>", "*"): 64,
+    # With SoftcapScore (softcap alone, s24), the representative's policy now: 44/72 B (32 B stack).
+    **{(f"mma_flash_bwd<float, 128, 32, 8, 1, 2, 1, 1, cupyflash::Policy<cupyflash::Causal, cupyflash::{score}, "
+        "cupyflash::Dropout>", "*"): 64 if score == "ModScore" else 80 for score in ("ModScore", "SoftcapScore")},
 }
 
 

@@ -167,9 +167,9 @@ def test_instantiations_cover_every_config_once():
     from cupyflash.variants import BUILTIN
 
     n_configs = len(plans.FORWARD_CONFIGS) + len(plans.WS_FORWARD_CONFIGS) + len(plans.BACKWARD_CONFIGS)
-    # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 plain scores
+    # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 all but ModScore
     loaders = sum(plans.uses_loader(d, v, own=False) for v in BUILTIN for d in plans.BACKWARD_CONFIGS)
-    assert loaders == len(BUILTIN) + sum(v.score_name in ("PlainScore", "AlibiScore") for v in BUILTIN) == 11
+    assert loaders == len(BUILTIN) + sum(v.score_name != "ModScore" for v in BUILTIN) == 15
     assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + loaders)
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
@@ -359,7 +359,8 @@ def test_backward_keep_bit_drawer_with_plain_dropout_only(d):
 def test_backward_loader_where_it_applies(d, monkeypatch):
     """The backward's loader warpgroup (a third warpgroup; in shared memory its mbarriers, a second dS^T buffer and
     the dQ tile of its bulk adds) runs every call without dropout, mask/bias arrays or dQ ownership, at D = 64 on plain
-    and ALiBi scores only (softcap spills there); LOADER = False gives every call the lockstep kernel."""
+    scores, ALiBi alone and softcap alone (the two together spill there); LOADER = False gives every call the lockstep
+    kernel."""
     from cupyflash.flex import FlexSpec
 
     cfg = plans.BACKWARD_CONFIGS[d]
@@ -367,8 +368,8 @@ def test_backward_loader_where_it_applies(d, monkeypatch):
     doc = FlexSpec(mask_mod="q_idx >= kv_idx")
     plain = (Variant(), Variant(causal=True), Variant(window=(9, 3)), Variant(causal=True, flex=doc,
              block_mask=(("bm_size", 64),), block_bits=True))  # fmt: skip
-    plain += (Variant(causal=True, alibi=True),)  # AlibiScore: LOADER_SCORES_D64
-    scored = (Variant(softcap=30.0), Variant(causal=True, softcap=1.0, alibi=True), Variant(window=(9, 3), softcap=5.0))
+    plain += (Variant(causal=True, alibi=True), Variant(softcap=30.0))  # AlibiScore, SoftcapScore: LOADER_SCORES_D64
+    scored = (Variant(causal=True, softcap=1.0, alibi=True), Variant(window=(9, 3), softcap=5.0, alibi=True))
     score_mod = Variant(flex=FlexSpec(score_mod="score * 0.5f", score_mod_grad="0.5f"))
     without = (Variant(dropout=0.1), Variant(causal=True, mask=True), score_mod)
     for variant in plain + scored + without:
@@ -388,7 +389,7 @@ def test_backward_loader_where_it_applies(d, monkeypatch):
     assert own.own_dq and own.main.block == (256, 1, 1) and not plans.uses_loader(d, Variant(), own=True)
     # the kernels CI compiles: lockstep for every policy, and with the loader where the plans give it one
     names = [name for _, name in plans.instantiations(("__half",), plain[:3] + scored + plain[4:])]
-    assert sum(name.endswith(", false, false, true>") for name in names) == 4 * 2 + 3
+    assert sum(name.endswith(", false, false, true>") for name in names) == 5 * 2 + 2
 
 
 @pytest.mark.skipif(NVRTC_REASON is not None, reason=str(NVRTC_REASON))

@@ -272,7 +272,7 @@ def test_public_api_rejects_variants_on_float64_only_for_q():
     (Variant(), "PlainScore"),
     (Variant(causal=True, alibi=True), "AlibiScore"),  # ALiBi alone: kernels without softcap code
     (Variant(window=(8, 8), alibi=True), "AlibiScore"),
-    (Variant(softcap=30.0), "ModScore"),
+    (Variant(softcap=30.0), "SoftcapScore"),  # softcap alone: kernels without ALiBi's distances
     (Variant(causal=True, softcap=30.0, alibi=True), "ModScore"),
     (Variant(alibi=True, bias="float"), "ArrayScore<cupyflash::ModScore, float, false, true>"),  # arrays: ModScore
 ])  # fmt: skip

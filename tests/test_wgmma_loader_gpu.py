@@ -40,6 +40,7 @@ CASES = [
     ("window-d64", 64, True, {"window_size": (100, 0)}, False),
     ("window-d128", 128, False, {"window_size": (70, 40)}, False),
     ("softcap-d128", 128, True, {"softcap": 20.0}, False),
+    ("softcap-d64", 64, False, {"softcap": 20.0}, False),
     ("alibi-d128", 128, False, {"alibi_slopes": True}, False),
     ("alibi-d64", 64, True, {"alibi_slopes": True}, False),
     ("sinks-d64", 64, True, {"sinks": True}, False),

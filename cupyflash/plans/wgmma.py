@@ -260,9 +260,10 @@ def uses_drawer(cfg: BackwardConfig, variant: Variant) -> bool:
 LOADER = True
 
 #: Scores whose D = 64 backward takes the loader: the compute warpgroups' 240 registers (255 lockstep) hold plain
-#: scores spill-free and ALiBi with 68/84 B (1.07x the lockstep kernel, which spills none); softcap and score_mods
-#: spill 450-890 B there (softcap measured 0.68x). At D = 128 every built-in score takes it (the loader's own 20/28 B).
-LOADER_SCORES_D64 = frozenset({"PlainScore", "AlibiScore"})
+#: scores spill-free, softcap alone (SoftcapScore) with 8-16 B and ALiBi with 68/84 B (1.07x the lockstep kernel,
+#: which spills none); softcap with ALiBi (ModScore) and score_mods spill 450-890 B there (ModScore's softcap measured
+#: 0.68x). At D = 128 every built-in score takes it (the loader's own 20/28 B).
+LOADER_SCORES_D64 = frozenset({"PlainScore", "AlibiScore", "SoftcapScore"})
 
 
 def uses_loader(d: int, variant: Variant, own: bool) -> bool:
