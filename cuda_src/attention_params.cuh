@@ -150,6 +150,18 @@ __device__ __forceinline__ TileCoord tile_coord(const AttentionParams& p) {
   return {static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
 }
 
+// A persistent grid's virtual block g (its blocks walk the grid a dense launch would have): tile_coord's answer
+// for that block, numbered x fastest as the hardware launches blocks, so the items keep the launch plan's order.
+// Dense only (varlen grids map blocks to sequences through varlen_tile_coord).
+__device__ __forceinline__ int dense_grid_blocks(const AttentionParams& p, int tile) {
+  return p.batch * p.hq * ((p.nq + tile - 1) / tile);
+}
+__device__ __forceinline__ TileCoord dense_tile_coord(const AttentionParams& p, int tile, int g) {
+  const int heads = p.batch * p.hq, tiles = (p.nq + tile - 1) / tile;
+  if (p.heads_fastest) return {g % heads, g / heads, tiles};
+  return {g / tiles, g % tiles, tiles};
+}
+
 // Where a block's sequence lies and how long it is. Dense: the whole (b, h) problem (row offsets 0, nq, nk).
 // Varlen: sequence b's first q and k rows in the packed arrays and its own nq, nk, clipped so that no
 // value of cu_seqlens/seqused_k reaches outside [0, total) and no sequence outgrows the grid (nq, nk are

@@ -50,28 +50,42 @@ using namespace cupyflash::mma;
 // First named barrier of the consumers' turns (0 is __syncthreads').
 constexpr int kTurnBar = 1;
 
-// The pipeline's hooks (wgmma_fwd_steps.cuh) of consumer c.
-template <int kStages, int kConsumers>
+// The pipeline's hooks (wgmma_fwd_steps.cuh) of consumer c for one query tile, whose key tile t is the ring's
+// tile t0 + t. A block's first turn skips consumer 0's sync and its last one the last consumer's arrival: the
+// turns run on across a persistent block's query tiles (first_item / last_item: is this tile the block's first /
+// last with key tiles). kPersistent: each warp also releases Q_i (q_empty) once S of the tile's last key tile
+// (n_tiles - 1) has landed, so that the producer may copy the next query tile's rows over it.
+template <int kStages, int kConsumers, bool kPersistent>
 struct WsHooks {
   ws::Ring<kStages> ring;
+  int t0;
   int own_bar, next_bar;  // this consumer's turn barrier, the next one's
-  bool first_consumer, last_consumer, lead;  // lead: lane 0, the warp's arrival on EMPTY barriers
-  __device__ __forceinline__ WsHooks(ws::Ring<kStages> r, int c)
-      : ring(r), own_bar(kTurnBar + c), next_bar(kTurnBar + (c + 1) % kConsumers), first_consumer(c == 0),
-        last_consumer(c == kConsumers - 1), lead((threadIdx.x & 31) == 0) {}
-  __device__ __forceinline__ void tile_ready(int t) { ws::mbar_wait(ring.full_k(t), ring.fill_parity(t)); }
-  __device__ __forceinline__ void v_ready(int t) { ws::mbar_wait(ring.full_v(t), ring.fill_parity(t)); }
+  bool skip_first_sync, skip_last_arrival, lead;  // lead: lane 0, the warp's arrival on EMPTY barriers
+  uint32_t q_empty;
+  int last_tile;
+  __device__ __forceinline__ WsHooks(ws::Ring<kStages> r, int c, int t0_, bool first_item, bool last_item,
+                                     uint32_t q_empty_, int n_tiles)
+      : ring(r), t0(t0_), own_bar(kTurnBar + c), next_bar(kTurnBar + (c + 1) % kConsumers),
+        skip_first_sync(c == 0 && first_item), skip_last_arrival(c == kConsumers - 1 && last_item),
+        lead((threadIdx.x & 31) == 0), q_empty(q_empty_), last_tile(n_tiles - 1) {}
+  __device__ __forceinline__ void tile_ready(int t) {
+    ws::mbar_wait(ring.full_k(t0 + t), ring.fill_parity(t0 + t));
+  }
+  __device__ __forceinline__ void v_ready(int t) { ws::mbar_wait(ring.full_v(t0 + t), ring.fill_parity(t0 + t)); }
   __device__ __forceinline__ void turn_begin(bool first) {
-    if (!(first && first_consumer)) ws::bar_sync(own_bar, 256);
+    if (!(first && skip_first_sync)) ws::bar_sync(own_bar, 256);
   }
   __device__ __forceinline__ void turn_end(bool last) {
-    if (!(last && last_consumer)) ws::bar_arrive(next_bar, 256);
+    if (!(last && skip_last_arrival)) ws::bar_arrive(next_bar, 256);
   }
   __device__ __forceinline__ void k_done(int t) {
-    if (lead) ws::mbar_arrive(ring.empty_k(t));
+    if (lead) {
+      ws::mbar_arrive(ring.empty_k(t0 + t));
+      if (kPersistent && t == last_tile) ws::mbar_arrive(q_empty);
+    }
   }
   __device__ __forceinline__ void v_done(int t) {
-    if (lead) ws::mbar_arrive(ring.empty_v(t));
+    if (lead) ws::mbar_arrive(ring.empty_v(t0 + t));
   }
 };
 
@@ -79,7 +93,17 @@ using ws::copy_tile;  // the producer's copies (ws_primitives.cuh)
 using ws::publish;
 using ws::WsRegs;  // the producer's and the consumers' registers (ws_primitives.cuh)
 
-template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy>
+// One query tile of a block (an "item"): its (batch, query head), first row, and the key tiles it visits.
+struct WsItem {
+  int b, h, q0;
+  Range kt;
+};
+
+// kPersistent (dense calls without a block mask, plans/wgmma.py's persistent_by_default): the grid holds at most
+// one block an SM, and each block takes a run of the items (virtual blocks) of the grid a plain launch would have
+// (dense_tile_coord), so that the producer copies the next item's Q_i and first K/V tiles while the consumers
+// finish the last one (the ring and the turns run on across items).
+template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy, bool kPersistent = false>
 __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
     wgmma_flash_fwd_ws(const __grid_constant__ AttentionParams p) {
   using Regs = WsRegs<kConsumers>;
@@ -98,78 +122,124 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   const uint32_t sK_u = sQ_u + Br * D * 2;
   const uint32_t sV_u = sK_u + kStages * kTileBytesK;
   const ws::Ring<kStages> ring{sV_u + kStages * kTileBytesK};
+  const uint32_t q_empty = ring.base + ws::Ring<kStages>::kBytes;  // kPersistent: Q_i read for the last time
 
-  const TileCoord tc = query_tile_coord(p, Br);
-  const int b = tc.bh / p.hq;
-  const int h = tc.bh % p.hq;
-  const int hk = h / p.group;
-  const int q0 = (tc.n_tiles - 1 - tc.tile) * Br;
-  const SeqGeometry seq = seq_geometry(p, b);  // sequence b's rows and lengths (dense: the whole problem)
-  if (q0 >= seq.nq) return;                    // past this sequence's queries (never when dense)
-  Policy pol(p, seq);
-  pol.score.at_head(p, b, h);
-  mask_at_head(pol.mask, p, b, h);
-  pol.dropout.at_head(p, b, h);
+  // The block's items: in round k, virtual block k G + (x + k) mod G of the plain grid's (G = gridDim.x, x =
+  // blockIdx.x; one round of one item, from the grid, unless kPersistent). Each round runs G consecutive items of the
+  // plain grid's order, as its blocks would run, rotated a block a round: without the rotation (item k G + x) a
+  // block met the same query tile of every head when G was a multiple of a head's tile count (0.6x on causal rows);
+  // consecutive runs of items a block left the blocks whose runs held a window's short first tiles idle (0.76-0.93x
+  // on windows of 2048-4096 keys). benchmarks/NOTES.md, s25.
+  const int n_items = kPersistent ? dense_grid_blocks(p, Br) : 1;
+  const int x = kPersistent ? static_cast<int>(blockIdx.x) : 0;
+  const int G = kPersistent ? static_cast<int>(gridDim.x) : 1;
+  const int rounds = (n_items + G - 1) / G;
+  auto item_of_round = [&](int k) { return k * G + (x + k) % G; };
+  const int g0 = x;  // round 0's
+  const TileCoord tc0 = kPersistent ? dense_tile_coord(p, Br, g0) : query_tile_coord(p, Br);
+  const SeqGeometry seq = seq_geometry(p, tc0.bh / p.hq);  // sequence b's rows and lengths (dense: the problem)
+  if ((tc0.n_tiles - 1 - tc0.tile) * Br >= seq.nq) return;  // past this sequence's queries (never when dense)
+  Policy pol(p, seq);  // (its mask is the same for every item of a persistent block: dense, no block mask)
   // Key tiles from the last to the first (see mma_forward.cu); every warpgroup walks all of them.
-  const Range kt = tiles_covering(pol.mask.keys_of(q0, q0 + Br), Bc);
-  const int n_tiles = kt.end - kt.begin;
+  auto item = [&](int g) {
+    const TileCoord tc = kPersistent ? dense_tile_coord(p, Br, g) : tc0;
+    const int q0 = (tc.n_tiles - 1 - tc.tile) * Br;
+    return WsItem{tc.bh / p.hq, tc.bh % p.hq, q0, tiles_covering(pol.mask.keys_of(q0, q0 + Br), Bc)};
+  };
 
   if (threadIdx.x == 0) {
     ring.init(128, 4 * kConsumers);
+    if (kPersistent) ws::mbar_init(q_empty, 4 * kConsumers);
     ws::mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {  // the producer warpgroup
     ws::regs_dec<Regs::kProducerRegs>();
-    if (n_tiles > 0) {
-      const int tid = threadIdx.x;
-      const T* gQ = static_cast<const T*>(p.q) + b * p.q_s.b + h * p.q_s.h + (seq.q_row0 + q0) * p.q_s.n;
-      const T* gK = static_cast<const T*>(p.k) + b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
-      const T* gV = static_cast<const T*>(p.v) + b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
-      // Q_i rides in K_0's group (whose FULL barrier the consumers wait for first).
-      copy_tile<T, Br, kSlabs>(sQ_u, gQ, p.q_s.n, seq.nq - q0, p.d, tid);
+    const int tid = threadIdx.x;
+    int t0 = 0, started = 0;  // the ring index of the item's first tile; items with key tiles begun
+    for (int k = 0; k < rounds; ++k) {
+      const int g = item_of_round(k);
+      if (g >= n_items) continue;  // (the last round's share of blocks past the grid's end)
+      const WsItem it = item(g);
+      const int n_tiles = it.kt.end - it.kt.begin;
+      if (n_tiles == 0) continue;
+      const int hk = it.h / p.group;
+      const T* gQ = static_cast<const T*>(p.q) + it.b * p.q_s.b + it.h * p.q_s.h + (seq.q_row0 + it.q0) * p.q_s.n;
+      const T* gK = static_cast<const T*>(p.k) + it.b * p.k_s.b + hk * p.k_s.h + seq.k_row0 * p.k_s.n;
+      const T* gV = static_cast<const T*>(p.v) + it.b * p.v_s.b + hk * p.v_s.h + seq.k_row0 * p.v_s.n;
+      // Q_i rides in K_0's group (whose FULL barrier the consumers wait for first), once the last item's S products
+      // have read the one before it.
+      if (kPersistent && started > 0) ws::mbar_wait(q_empty, (started - 1) & 1);
+      copy_tile<T, Br, kSlabs>(sQ_u, gQ, p.q_s.n, seq.nq - it.q0, p.d, tid);
       for (int t = 0; t < n_tiles; ++t) {
-        const int j0 = (kt.end - 1 - t) * Bc;
-        const uint32_t slot_off = ring.slot(t) * kTileBytesK;
+        const int j0 = (it.kt.end - 1 - t) * Bc;
+        const int r = t0 + t;  // the ring's tile index
+        const uint32_t slot_off = ring.slot(r) * kTileBytesK;
         const long long k_stride = ws::opaque64(p.k_s.n), v_stride = ws::opaque64(p.v_s.n);  // nothing hoisted
-        ws::mbar_wait(ring.empty_k(t), ring.refill_parity(t));
+        ws::mbar_wait(ring.empty_k(r), ring.refill_parity(r));
         copy_tile<T, Bc, kSlabs>(sK_u + slot_off, gK + j0 * k_stride, k_stride, seq.nk - j0, p.d, tid);
         cp_async_commit();
-        if (t > 0) publish<1>(ring.full_v(t - 1));  // V_{t-1}: all but K_t have landed
-        ws::mbar_wait(ring.empty_v(t), ring.refill_parity(t));
+        if (r > 0) publish<1>(ring.full_v(r - 1));  // V_{r-1} (maybe the last item's): all but K_r have landed
+        ws::mbar_wait(ring.empty_v(r), ring.refill_parity(r));
         copy_tile<T, Bc, kSlabs>(sV_u + slot_off, gV + j0 * v_stride, v_stride, seq.nk - j0, p.d, tid);
         cp_async_commit();
-        publish<1>(ring.full_k(t));  // K_t (and Q_i): all but V_t have landed
+        publish<1>(ring.full_k(r));  // K_r (and Q_i): all but V_r have landed
       }
-      publish<0>(ring.full_v(n_tiles - 1));
+      t0 += n_tiles;
+      ++started;
     }
+    if (t0 > 0) publish<0>(ring.full_v(t0 - 1));
     return;  // the producer's registers never meet the consumers' code
   }
 
   ws::regs_inc<Regs::kConsumerRegs>();
   const int c = threadIdx.x / 128 - 1;  // consumer warpgroup
   const int warp = (threadIdx.x / 32) % 4;
-  float acc[D / 8][4];
-  float m_run[2], l_run[2];
-  softmax_start(m_run, l_run, sink_log2(p, h));
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-  }
   const int row_w = c * 64 + warp * 16;  // first row of this warp's strip inside Q_i
   const uint32_t q_base = sQ_u + c * 64 * 128;
-  uint32_t pa[Bc / 16][4] = {};  // P_{t-1}: the A operand of the P V product in flight
+  // The block's last item with key tiles: its last P V is the block's last turn.
+  int g_last = g0;
+  if constexpr (kPersistent) {
+    for (int k = rounds - 1; k > 0; --k) {
+      const int g = item_of_round(k);
+      if (g >= n_items) continue;
+      const Range kt = item(g).kt;
+      if (kt.end > kt.begin) {
+        g_last = g;
+        break;
+      }
+    }
+  }
+  int t0 = 0;
+  for (int k = 0; k < rounds; ++k) {
+    const int g = item_of_round(k);
+    if (g >= n_items) continue;
+    const WsItem it = item(g);
+    const int n_tiles = it.kt.end - it.kt.begin;
+    pol.score.at_head(p, it.b, it.h);
+    mask_at_head(pol.mask, p, it.b, it.h);
+    pol.dropout.at_head(p, it.b, it.h);
+    float acc[D / 8][4];
+    float m_run[2], l_run[2];
+    softmax_start(m_run, l_run, sink_log2(p, it.h));
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    }
+    uint32_t pa[Bc / 16][4] = {};  // P_{t-1}: the A operand of the P V product in flight
 
-  // With 160 or more registers the dropout draws go unrolled (ptxas interleaves their Philox chains).
-  constexpr bool kUnrolledBits = Policy::Score::kIdentity;
-  const wgmma_fwd::Steps<T, D, Bc, Br, kStages, kUnrolledBits, Policy> steps{p, pol, q_base, sK_u, sV_u, 0u,
-                                                                           q0, row_w, kt.end};
-  WsHooks<kStages, kConsumers> hooks(ring, c);
-  wgmma_fwd::pipeline(steps, hooks, n_tiles, acc, m_run, l_run, pa);
+    // With 160 or more registers the dropout draws go unrolled (ptxas interleaves their Philox chains).
+    constexpr bool kUnrolledBits = Policy::Score::kIdentity;
+    const wgmma_fwd::Steps<T, D, Bc, Br, kStages, kUnrolledBits, Policy> steps{p, pol, q_base, sK_u, sV_u, 0u,
+                                                                             it.q0, row_w, it.kt.end, t0};
+    WsHooks<kStages, kConsumers, kPersistent> hooks(ring, c, t0, t0 == 0, g == g_last, q_empty, n_tiles);
+    wgmma_fwd::pipeline(steps, hooks, n_tiles, acc, m_run, l_run, pa);
 
-  // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
-  if constexpr (Policy::Dropout::kOn) dropout_scale_o(acc, pol.dropout);
-  store_o_lse<T>(p, b, h, q0 + row_w, acc, m_run, l_run);
+    // Epilogue: O = acc / l, lse = (m + log2 l) ln 2.
+    if constexpr (Policy::Dropout::kOn) dropout_scale_o(acc, pol.dropout);
+    store_o_lse<T>(p, it.b, it.h, it.q0 + row_w, acc, m_run, l_run);
+    t0 += n_tiles;
+  }
 }

@@ -8,7 +8,7 @@
 // Fragments (see wgmma_primitives.cuh): warp w of the warpgroup owns the 16-row strip row_w = 64g + 16w.. of
 // Q_i, in the m16n8k16 C layout, so mask, scores and the online softmax are mma_softmax.cuh's. Key tile t is
 // K_j/V_j with j = kt_end - 1 - t (last to first: only the first is masked under causal), in ring slot
-// t % kStages; every tile is 64-column slabs of TileLayout<64>.
+// (t0 + t) % kStages; every tile is 64-column slabs of TileLayout<64>.
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
@@ -40,10 +40,11 @@ struct Steps {
   Policy& pol;
   uint32_t q_base, sK_u, sV_u, sScore_u;  // shared addresses: Q rows, the K and V rings, the score-array slots
   int q0, row_w, kt_end;                  // Q_i's first row, the warp strip's row in it, the key tiles' end
+  int t0 = 0;  // the ring index of key tile 0 (a persistent block's earlier query tiles used the ones before)
 
   // O += P V_t: P from registers, V_t MN-major (keys down the rows, the next 64 columns kSlabBytesK on).
   __device__ __forceinline__ void issue_pv(float (&acc)[D / 8][4], const uint32_t (&pa)[Bc / 16][4], int t) const {
-    const uint32_t v_base = sV_u + (t % kStages) * kTileBytesK;
+    const uint32_t v_base = sV_u + ((t0 + t) % kStages) * kTileBytesK;
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
@@ -59,7 +60,7 @@ struct Steps {
 #pragma unroll                       // materialised between fence and wgmma (ptxas then serialises)
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
     }
-    const uint32_t k_base = sK_u + (t % kStages) * kTileBytesK;
+    const uint32_t k_base = sK_u + ((t0 + t) % kStages) * kTileBytesK;
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -164,6 +165,7 @@ __device__ __forceinline__ void pipeline(const St& st, Hooks& hooks, int n_tiles
     st.issue_pv(acc, pa, n_tiles - 1);
     hooks.turn_end(true);
     wgmma::wait<0>();
+    hooks.v_done(n_tiles - 1);  // (a persistent block's ring runs on: the next query tile refills this slot)
     wgmma::fence_operands(acc);
   }
 }

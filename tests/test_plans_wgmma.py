@@ -1,6 +1,8 @@
 """Launch plans and dispatch of the Hopper kernels ("wgmma" family), on the CPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -170,7 +172,10 @@ def test_instantiations_cover_every_config_once():
     # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 all but ModScore
     loaders = sum(plans.uses_loader(d, v, own=False) for v in BUILTIN for d in plans.BACKWARD_CONFIGS)
     assert loaders == len(BUILTIN) + sum(v.score_name != "ModScore" for v in BUILTIN) == 15
-    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + loaders)
+    # and the persistent ws forwards of the windows bounded on both sides
+    persistent = len(plans.WS_FORWARD_CONFIGS) * sum(plans.persistent_by_default(v, False) for v in BUILTIN)
+    assert persistent == 4
+    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + loaders + persistent)
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 
@@ -303,7 +308,48 @@ def test_narrow_windows_keep_the_lockstep_forward_at_d64():
     for v, d, ws in cases:
         assert plans.lockstep_by_default(d, 16384, v) is not ws, (v, d)
         want = (plans.WS_FORWARD_CONFIGS if ws else plans.FORWARD_CONFIGS)[d]
-        assert plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=v).config == want, (v, d)
+        got = plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=v).config
+        assert replace(got, persistent=False) == want, (v, d)
+        assert got.persistent == (ws and min(v.window) >= 0 and sum(v.window) < 2048), (v, d)  # bounded, narrow
+
+
+def test_persistent_ws_forward_for_dense_windows(monkeypatch):
+    """persistent_by_default: a dense ws call with a window bounded on both sides and at most
+    PERSISTENT_MAX_WINDOW_KEYS wide runs persistent (at most a block an SM, the plain grid's order kept in the
+    kernel's dense_tile_coord; Q_EMPTY's 8 bytes more), nothing else does: no window, a window unbounded on one side
+    or wider, varlen packs, block masks, the lockstep kernel; PERSISTENT = False
+    turns it off; an explicit configuration may ask for it on any dense call but not on varlen or block masks."""
+    from cupyflash import flex
+
+    window = Variant.of(True, (1024, 0), 0.0, False, False)
+    base = plans.WS_FORWARD_CONFIGS[128]
+    plan = plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=window)
+    assert plan.config == replace(base, persistent=True)
+    assert plan.main.grid == (H100.sm_count, 1, 1) and plan.heads_on_x == plans._heads_first(False, 32, 132, 128)
+    assert plan.main.shared_bytes == base.shared_bytes + 8
+    assert plan.main.name == base.name("__nv_bfloat16", window.cpp_policy)[:-1] + ", true>"
+    small = plans.plan_forward(1, 2, 300, 128, "__nv_bfloat16", H100, variant=window)
+    assert small.config.persistent and small.main.grid == (2 * cdiv(300, base.br), 1, 1)  # fewer tiles than SMs
+    spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
+    block = Variant(window=(1024, 0), flex=spec, block_mask=(("bm_size", 64),), block_keys=9000)
+    wide = Variant.of(True, (plans.PERSISTENT_MAX_WINDOW_KEYS, 0), 0.0, False, False)  # one key too many
+    assert plans.persistent_by_default(Variant.of(True, (plans.PERSISTENT_MAX_WINDOW_KEYS - 1, 0), 0.0, False, False),
+                                       False)  # fmt: skip
+    for v, total in ((Variant(causal=True), None), (Variant(), None), (Variant.of(False, (-1, 64), 0.0, False, False),
+                     None), (window, 16384), (block, None), (wide, None)):  # fmt: skip
+        assert not plans.persistent_by_default(v, total is not None), v
+        plan = plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=v, total=total)
+        assert not plan.config.persistent and plan.main.grid[1] > 1, v
+    with pytest.raises(ValueError, match="persistent"):
+        plans.plan_forward(2, 16, 4096, 128, "__half", H100, replace(base, persistent=True), window, total=4096)
+    with pytest.raises(ValueError, match="persistent"):
+        plans.plan_forward(2, 16, 4096, 128, "__half", H100, replace(base, persistent=True), block)
+    with pytest.raises(ValueError, match="persistent form"):
+        plans.ForwardConfig(128, bc=128, persistent=True)
+    forced = plans.plan_forward(2, 16, 4096, 128, "__half", H100, replace(base, persistent=True), Variant(causal=True))
+    assert forced.main.grid == (H100.sm_count, 1, 1)
+    monkeypatch.setattr(plans, "PERSISTENT", False)
+    assert not plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=window).config.persistent
 
 
 def test_snippets_take_the_ws_forward_with_a_block_mask_that_visits_many_keys():

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,6 +176,19 @@ DROPOUT_CASES = [
 #: Variants run in bfloat16 at D = 128 and in float16 at D = 64.
 VARIANT_DTYPE = {128: "bfloat16", 64: "float16"}
 
+# The persistent form (ForwardConfig.persistent): (id, (B, Hq, Hk, Nq, Nk), causal, keywords, dropout p, SMs). The
+# grid is min(query tiles, SMs): the few SMs given here make each block walk many query tiles, the ring's index and
+# the turns running on across them.
+PERSISTENT_CASES = [
+    ("causal-window-64", (2, 4, 2, 700, 700), True, dict(window_size=(64, 0)), 0.0, 5),
+    ("window-nq>nk-keyless-tiles", (1, 3, 1, 600, 100), True, dict(window_size=(40, 0)), 0.0, 4),  # rows < 500: none
+    ("window-softcap-alibi-sinks-gqa", (2, 4, 2, 300, 500), False,
+     dict(window_size=(32, 8), softcap=30.0, alibi_slopes="batch", sinks=True), 0.0, 3),
+    ("window-dropout", (2, 2, 2, 333, 333), False, dict(window_size=(50, 10)), 0.17, 3),
+    ("causal", (2, 2, 2, 900, 900), True, {}, 0.0, 7),  # forced: not a default, but the same protocol
+    ("full-one-sm", (1, 3, 3, 400, 257), False, {}, 0.0, 1),
+]  # fmt: skip
+
 
 def _variant_kw(rng, spec, b, hq):
     kw = dict(spec)
@@ -201,7 +215,12 @@ def _instantiations() -> set[tuple[str, str]]:
     for _, _, causal, kw in DROPOUT_CASES:
         want += [(pd, "bfloat16", policy(causal, kw, 0.17)) for pd in (64, 128)]
     want += [(pd, "bfloat16", policy(causal, {}, 0.17)) for pd in (64, 128) for causal in (False, True)]
-    return {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt, pol in want for cfg in (WS[pd], LOCKSTEP[pd])}
+    out = {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt, pol in want for cfg in (WS[pd], LOCKSTEP[pd])}
+    for _, _, causal, kw, dropout, _ in PERSISTENT_CASES:
+        pol = policy(causal, kw, dropout)
+        out |= {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt in VARIANT_DTYPE.items()
+                for cfg in (WS[pd], LOCKSTEP[pd], replace(WS[pd], persistent=True))}  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +358,64 @@ def test_dropout_keep_bits_exact(d, causal, softcap, rng, compiled):
         o, _ = _forward(WS[pd], qd, kd, cupy.asarray(v.astype(DTYPES["bfloat16"])), p, seed=seed)
         got = cupy.asnumpy(o).astype(np.float32)[..., : len(keys)] != 0
         np.testing.assert_array_equal(got, want[..., keys], err_msg=f"keep bits of keys {keys[0]}..{keys[-1]}")
+
+
+@pytest.fixture
+def few_sms(monkeypatch):
+    """on(n): the device limits the plans read (plans._cache) with n SMs, so that a persistent grid is n blocks."""
+    from cupyflash import plans as plans_pkg
+
+    dev = cupy.cuda.Device().id
+
+    def on(n: int) -> None:
+        monkeypatch.setitem(plans_pkg._cache, dev, replace(plans_pkg.DeviceLimits.current(), sm_count=n))
+
+    yield on
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c[0] for c in PERSISTENT_CASES])
+@pytest.mark.parametrize("d", [128, 64])
+def test_persistent(d, case, rng, few_sms, compiled):
+    """The persistent ws forward (each of a few blocks walks many query tiles; some with no key tile at all) gives
+    o and lse bit for bit equal to the one-tile-a-block ws kernel (the same arithmetic a tile), and so passes the
+    reference checks of _check against the lockstep kernel too."""
+    _, shape, causal, spec, dropout_p, sms = case
+    dtype_name = VARIANT_DTYPE[d]
+    b, hq, hk, nq, nk = shape
+    kw = {"window_size": None, "softcap": 0.0, "alibi_slopes": None, "sinks": None,
+          **_variant_kw(rng, spec, b, hq)}  # fmt: skip
+    q, k, v = random_qkv(rng, (b,), hq, hk, nq, nk, d, DTYPES[dtype_name])
+    qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
+    kwd = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in kw.items()}
+    p = check_attention(qd, kd, vd, causal=causal, dropout_p=dropout_p, **kwd)
+    arrays = {n: kwd[key] for n, key in (("alibi", "alibi_slopes"), ("sinks", "sinks")) if kwd[key] is not None}
+    seed = int(rng.integers(0, 2**62)) if dropout_p else None
+    few_sms(sms)
+    cfg = replace(WS[d], persistent=True)
+    plan = plans.plan_forward(b, hq, nq, d, CTYPES[dtype_name], plans.DeviceLimits.current(), cfg, p.variant)
+    items = b * hq * -(-nq // cfg.br)
+    assert plan.main.grid == (min(items, sms), 1, 1) and items > 2 * sms, plan.main.grid
+    got = _forward(cfg, qd, kd, vd, p, arrays, seed)
+    one = _forward(WS[d], qd, kd, vd, p, arrays, seed)
+    for name, x, y in zip(("o", "lse"), got, one):
+        assert cupy.asnumpy(x).tobytes() == cupy.asnumpy(y).tobytes(), f"persistent {name} differs"
+    lock = _forward(LOCKSTEP[d], qd, kd, vd, p, arrays, seed)
+    _check(dtype_name, q, k, v, causal, None, kw, got, lock, None if seed is None else (dropout_p, seed))
+
+
+def test_persistent_by_default_through_the_api(rng, compiled):
+    """A dense call with a sliding window takes the persistent form through the API (bit for bit what the
+    configuration reached explicitly gives)."""
+    import cupyflash
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (2,), 4, 2, 700, 700, 128, DTYPES["bfloat16"]))
+    p = check_attention(q, k, v, causal=True, window_size=(64, 0))
+    limits = plans.DeviceLimits.current()
+    plan = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant)
+    assert plan.config.persistent and plan.main.grid[1:] == (1, 1)
+    o, lse = cupyflash.attention_forward(q, k, v, causal=True, window_size=(64, 0), kernel="wgmma")
+    _finish("the API's forward")
+    o2, lse2 = _forward(replace(WS[128], persistent=True), q, k, v, p)
+    assert cupy.asnumpy(o).tobytes() == cupy.asnumpy(o2).tobytes()
+    assert cupy.asnumpy(lse).tobytes() == cupy.asnumpy(lse2).tobytes()

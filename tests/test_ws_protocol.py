@@ -8,7 +8,7 @@ named barriers count arrivals (a warpgroup is one unit of the 256 threads) and c
 every interleaving ends (no deadlock); a product reads a slot only once the tile it wants has landed there and been
 published; the producer never starts copies into a slot a product is still reading; every turn barrier ends
 balanced. Keep it in step with the kernel when the protocol changes. PersistentBlock (below) models the persistent
-form designed in benchmarks/NOTES.md (several query tiles a block), ahead of its kernel.
+form (several query tiles a block; the kernel's kPersistent).
 """
 from __future__ import annotations
 
@@ -201,13 +201,14 @@ def test_model_finds_the_deadlock_one_stage_would_have():
 # first K tile's group of its item; a Q_EMPTY mbarrier (one arrival per consumer, after its item's last S product
 # has completed) lets the producer copy the next item's Q; turns continue across items (only the block's first turn
 # skips consumer 0's sync and only its last skips the last consumer's arrival); items without key tiles take no
-# turns and no copies anywhere. Not in the kernel yet: this model checks the protocol before it is written. Simplest
-# form: the item's last V published at its end (publish<0>), the next item's copies start after its Q_EMPTY wait.
+# turns and no copies anywhere. Simplest form: the item's last V published at its end (publish<0>), the next item's
+# copies start after its Q_EMPTY wait. The kernel (wgmma_forward_ws.cu, kPersistent) is ChainedPersistentBlock's form.
 
 
 class PersistentBlock(Block):
     chained = False  # True: ChainedPersistentBlock's publish chain across items
     late_q_release = False  # True: Q_EMPTY after the item's last P V (the wrong place; a test shows why)
+    release_last_v = True  # False: an item's last V slot never released (a test shows the hang)
 
     def __init__(self, items: list[int], stages: int, consumers: int):
         super().__init__(sum(items), stages, consumers)
@@ -313,7 +314,10 @@ class PersistentBlock(Block):
             turn_end()
             taken += 1
             yield
-            done_v(last)  # then O and lse go out from registers (no shared memory)
+            if self.release_last_v:
+                done_v(last)  # then O and lse go out from registers (no shared memory)
+            else:
+                self.readers_v[self.slot(last)] -= 1
             if self.late_q_release:
                 self.q_empty.arrive()
             first += n
@@ -390,3 +394,16 @@ def test_chained_persistent_protocol_needs_q_free_before_the_last_v():
 
     with pytest.raises(AssertionError, match="deadlock"):
         interleave(Late([2, 2], 2, 2), random.Random(3))
+
+
+
+def test_persistent_model_needs_each_items_last_v_released():
+    """A one-item block may leave its last V slot unreleased (nothing refills it), a persistent block may not: the
+    ring runs on, and the next item's tile in that slot waits for the release forever. (The first persistent kernel
+    hung so: wgmma_fwd_steps.cuh's pipeline ended without v_done for the last tile.)"""
+    class KeepsLastV(ChainedPersistentBlock):
+        release_last_v = False
+
+    run(4, 2, 2, random.Random(1))  # one item: fine either way (the model releases it; the kernel did not)
+    with pytest.raises(AssertionError, match="deadlock"):
+        interleave(KeepsLastV([2, 3], 2, 2), random.Random(3))

@@ -5,7 +5,7 @@ heads of 32 or fewer stay with the mma family, where padding to 64 would double 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
@@ -45,11 +45,14 @@ class ForwardConfig:
     stages: int = 3  # tile t+1 loads while P_{t-1} V_{t-1} still reads tile t-1
     min_blocks: int = 1
     ws: bool = False
+    persistent: bool = False  # ws only: at most a block an SM, each walking several query tiles (persistent_grid)
 
     def __post_init__(self) -> None:
         if self.ws and (self.warpgroups not in (2, 3) or self.min_blocks != 1 or self.stages < 2):
             raise ValueError(f"the warp-specialised forward takes 2 or 3 consumer warpgroups, one block per SM and "
                              f"2 or more stages (got {self})")  # fmt: skip
+        if self.persistent and not self.ws:
+            raise ValueError(f"only the warp-specialised forward has a persistent form (got {self})")
 
     @property
     def br(self) -> int:
@@ -65,12 +68,14 @@ class ForwardConfig:
 
     @property
     def shared_bytes(self) -> int:
-        barriers = 4 * self.stages * 8 if self.ws else 0  # FULL_K, FULL_V, EMPTY_K, EMPTY_V per slot
+        # FULL_K, FULL_V, EMPTY_K, EMPTY_V per slot, and persistent blocks' Q_EMPTY
+        barriers = (4 * self.stages + self.persistent) * 8 if self.ws else 0
         return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + barriers + _ALIGN_SLACK
 
     def name(self, ctype: str, policy: str) -> str:
         if self.ws:
-            return f"wgmma_flash_fwd_ws<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {policy}>"
+            tail = ", true" if self.persistent else ""
+            return f"wgmma_flash_fwd_ws<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {policy}{tail}>"
         return (
             f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}, "
             f"{policy}>"
@@ -149,6 +154,27 @@ def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
     return variant.causal and nq < WS_MIN_CAUSAL_ROWS_D64
 
 
+#: Persistent ws forwards (``ForwardConfig.persistent``, cuda_src/wgmma_forward_ws.cu): the grid holds at most a block
+#: an SM and each block walks an even run of the plain grid's query tiles, its producer copying the next tile's Q_i
+#: and first K/V while its consumers finish the last one. Where query tiles meet few key tiles (sliding windows) a
+#: block's fill and drain are a large share of its time. False turns it off (A/B scripts).
+PERSISTENT = True
+#: Windows of at most this many keys a row (left + right + 1) run persistent. Measured (benchmarks/
+#: dev_persistent_ab.py, H200, bf16, H*D = 2048, N = 16k and 4k; persistent over one tile a block): causal windows of
+#: 1024 keys 1.02-1.06x, 512 + 512 1.03-1.08x, 256 at D = 128 1.17-1.18x; 2048 0.99-1.02x; 4096 0.94-1.01x.
+PERSISTENT_MAX_WINDOW_KEYS = 2048
+
+
+def persistent_by_default(variant: Variant, varlen: bool) -> bool:
+    """Does a ws forward call run persistent? Dense calls with a sliding window bounded on both sides, at most
+    PERSISTENT_MAX_WINDOW_KEYS wide, and no block mask (whose policy decodes its (batch, heads) from the block's grid
+    coordinates, flex_policy.cuh's BlockMasked); varlen grids map blocks to sequences, so they keep one tile a
+    block."""
+    narrow = variant.window is not None and min(variant.window) >= 0
+    narrow = narrow and sum(variant.window) + 1 <= PERSISTENT_MAX_WINDOW_KEYS
+    return PERSISTENT and narrow and not varlen and variant.flex is None
+
+
 def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), ws: bool | None = None
                    ) -> ForwardConfig | None:  # fmt: skip
     """The forward configuration of a call: the warp-specialised one where ``ws`` asks for it (None:
@@ -187,9 +213,15 @@ def plan_forward(
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     if cfg.ws and ws_unsupported(variant) is not None:
         raise ValueError(f"the warp-specialised wgmma forward {ws_unsupported(variant)}")
+    if config is None and cfg.ws and persistent_by_default(variant, total is not None):
+        cfg = replace(cfg, persistent=True)
+    if cfg.persistent and (total is not None or variant.flex is not None):
+        raise ValueError("the persistent ws forward takes dense calls without a block mask")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
     grid = (heads, tiles, 1) if on_x else (tiles, heads, 1)
+    if cfg.persistent:  # blocks walk the grid above (dense_tile_coord)
+        grid = (min(heads * tiles, limits.sm_count), 1, 1)
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, 2, cfg.shared_bytes, limits)  # slots: tiles t, t + 1
     main = LaunchPlan(cfg.source, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
     return ForwardPlan(cfg, main, on_x)
@@ -322,6 +354,8 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
         for v in variants:
             pol = v.cpp_policy
             out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
+            if persistent_by_default(v, varlen=False):
+                out += [(c.source, replace(c, persistent=True).name(ct, pol)) for c in WS_FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True)) for c in BACKWARD_CONFIGS.values()
                     if uses_loader(c.d, v, own=False)]
