@@ -36,6 +36,16 @@
 // waits only for the previous consumer's issue of this step (the first consumer: the last one's of the step before),
 // and no consumer waits on an mbarrier inside its turn. The producer never waits on the consumers' turns.
 //
+// Persistent blocks (kPersistent: several query tiles, "items", a block; tests/test_ws_protocol.py's
+// ChainedPersistentBlock models it) keep that argument over the concatenation of their items' tiles: the ring's tile
+// index runs on (item i's tile t is ring tile t0_i + t, and every slot is released, the item's last V too), the
+// producer's publish chain runs on (an item's last V is published behind the next item's first K group), and the
+// turns run on (only the block's first turn skips consumer 0's sync, only its last the last consumer's arrival; an
+// item with no key tile takes no turn and no copy in any role). One more mbarrier, Q_EMPTY (count 4 kConsumers
+// warps), orders the Q_i buffer: each consumer warp arrives once an item's last S product has landed, before it
+// waits for the item's last V, and the producer waits for that phase before it copies the next item's Q_i (into
+// that item's first K group). Its waits depend only on earlier steps, so the argument above holds.
+//
 // Not taken (plans/wgmma.py's ws_unsupported; the lockstep kernel runs them): staged mask/bias tiles
 // (score_tile.cuh). User snippets and block masks run here as the other policies do (flex_policy.cuh).
 #include "mma_primitives.cuh"
@@ -100,9 +110,9 @@ struct WsItem {
 };
 
 // kPersistent (dense calls without a block mask, plans/wgmma.py's persistent_by_default): the grid holds at most
-// one block an SM, and each block takes a run of the items (virtual blocks) of the grid a plain launch would have
-// (dense_tile_coord), so that the producer copies the next item's Q_i and first K/V tiles while the consumers
-// finish the last one (the ring and the turns run on across items).
+// one block an SM, and each block takes several items (virtual blocks) of the grid a plain launch would have
+// (dense_tile_coord; which ones: below), so that the producer copies the next item's Q_i and first K/V tiles while
+// the consumers finish the last one (the ring and the turns run on across items; see the top of the file).
 template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy, bool kPersistent = false>
 __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
     wgmma_flash_fwd_ws(const __grid_constant__ AttentionParams p) {
