@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   // plain grid's order, as its blocks would run, rotated a block a round: without the rotation (item k G + x) a
   // block met the same query tile of every head when G was a multiple of a head's tile count (0.6x on causal rows);
   // consecutive runs of items a block left the blocks whose runs held a window's short first tiles idle (0.76-0.93x
-  // on windows of 2048-4096 keys). benchmarks/NOTES.md, s25.
+  // on windows of 2048-4096 keys). benchmarks/NOTES.md, s25; tests/test_ws_protocol.py checks the order's cover.
   const int n_items = kPersistent ? dense_grid_blocks(p, Br) : 1;
   const int x = kPersistent ? static_cast<int>(blockIdx.x) : 0;
   const int G = kPersistent ? static_cast<int>(gridDim.x) : 1;

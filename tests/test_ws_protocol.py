@@ -407,3 +407,39 @@ def test_persistent_model_needs_each_items_last_v_released():
     run(4, 2, 2, random.Random(1))  # one item: fine either way (the model releases it; the kernel did not)
     with pytest.raises(AssertionError, match="deadlock"):
         interleave(KeepsLastV([2, 3], 2, 2), random.Random(3))
+
+
+# ---------------------------------------------------------------------------- the persistent grid's item order (s25)
+
+
+def rotation_items(x: int, grid: int, n_items: int) -> list[int]:
+    """The items block x of a persistent grid of ``grid`` blocks takes, in order (wgmma_forward_ws.cu's
+    item_of_round: round k, item k G + (x + k) mod G, those past the plain grid's end skipped)."""
+    rounds = -(-n_items // grid)
+    return [g for k in range(rounds) if (g := k * grid + (x + k) % grid) < n_items]
+
+
+@pytest.mark.parametrize("n_items, grid", [(1, 1), (7, 7), (8, 3), (132, 132), (2816, 132), (2752, 132), (48, 5),
+                                          (1000, 1), (12, 11)])  # fmt: skip
+def test_persistent_rotation_takes_every_item_once(n_items, grid):
+    """Every item of the plain grid goes to exactly one block, each block's items rise (round by round, so the
+    grid's order, longest first under causal, is kept), and the blocks' shares differ by at most one item."""
+    per_block = [rotation_items(x, grid, n_items) for x in range(grid)]
+    taken = sorted(g for items in per_block for g in items)
+    assert taken == list(range(n_items))
+    assert all(items == sorted(items) for items in per_block)
+    assert max(map(len, per_block)) - min(map(len, per_block)) <= 1
+
+
+def test_persistent_rotation_spreads_a_heads_tiles_over_the_blocks():
+    """The reason for the rotation: with tiles fastest (items g = head * tiles + tile) and a grid of a multiple of a
+    head's tile count (132 SMs, 22 query tiles of 192 rows at N = 4096), block x of the strided order (x, x + G, ...)
+    meets only tile x mod 22 of every head: a causal row's longest tiles all on a sixth of the blocks (measured 0.6x).
+    Rotated, each block meets a different tile index with each of its items."""
+    tiles, heads, grid = 22, 128, 132
+    n_items = tiles * heads
+    strided = [list(range(x, n_items, grid)) for x in range(grid)]
+    assert all(len({g % tiles for g in items}) == 1 for items in strided)  # one tile index a block
+    for x in range(grid):
+        seen = [g % tiles for g in rotation_items(x, grid, n_items)]  # 21 or 22 items
+        assert len(seen) >= tiles - 1 and len(set(seen)) == len(seen), x  # a different tile index each
