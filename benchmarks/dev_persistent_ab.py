@@ -2,9 +2,9 @@
 lockstep kernel, in one process: each configuration reached explicitly through the wgmma family's entry point
 (no API cache), bf16, H*D = 2048, B*N = 16384 (and N = 4096 with --n 4096). GPU ms per call (dev_ws_ab.per_call_ms:
 events around back-to-back calls, median of batches), the three kernels alternated over two rounds (best of the
-two); persistent o/lse bit for bit against the ws kernel's. Rows: causal sliding windows of 256 / 1024 / 2048 / 4096 keys
-(issue 13's rows are window 1024), a symmetric window, and dense causal / full (persistent forced there: not a
-default, for the record). GPU machine:
+two); persistent o/lse bit for bit against the ws kernel's. Rows: causal sliding windows of 256 / 1024 / 2048 /
+4096 keys (issue 13's rows are window 1024), a symmetric window, and dense causal / full (persistent forced there:
+not a default, for the record). GPU machine:
     python benchmarks/dev_persistent_ab.py [--d 64 128] [--n 16384 4096] [--cases ...] > $OUT/persistent_ab.txt
 """
 from __future__ import annotations
