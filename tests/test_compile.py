@@ -454,6 +454,10 @@ def _policy_allowance(name: str, arch: str) -> int:
     return 0
 
 
+#: Instantiations known to have their wgmma serialised by ptxas (none: a new one fails test_compiles_without_spills).
+WGMMA_SERIALIZED_KNOWN: frozenset = frozenset()
+
+
 def test_every_family_has_instantiations():
     names = {job[0] for job in all_jobs()}
     assert {"portable", "mma", "linear", "wgmma", "decode"} <= names
@@ -468,3 +472,6 @@ def test_compiles_without_spills(job, compiled):
     assert usage.spill_stores <= allowed and usage.spill_loads <= allowed, usage.line()
     assert usage.stack_frame <= allowed, usage.line()
     assert 0 < usage.registers <= 255, usage.line()
+    # A kernel whose wgmma ptxas serialised (C7512) still runs, without its products' overlap: the bwd-dk-overlap
+    # branch (s25) kept its spills but lost it, which only the log showed.
+    assert not usage.wgmma_serialized or job in WGMMA_SERIALIZED_KNOWN, usage.line()

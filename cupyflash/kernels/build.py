@@ -324,15 +324,19 @@ class ResourceUsage:
     stack_frame: int
     shared_static: int
     log: str
+    # ptxas C7512: it serialised the kernel's wgmma (each waits for the one before), e.g. for want of registers
+    # to keep an asynchronous product's operands live; the kernel then runs, but a step's products no longer overlap.
+    wgmma_serialized: bool = False
 
     @property
     def spills(self) -> bool:
         return self.spill_stores > 0 or self.spill_loads > 0
 
     def line(self) -> str:
+        serialized = ", wgmma serialized" if self.wgmma_serialized else ""
         return (
             f"{self.name} [{self.arch}]: {self.registers} registers, {self.shared_static} B static smem, "
-            f"{self.stack_frame} B stack, {self.spill_stores}/{self.spill_loads} B spill st/ld"
+            f"{self.stack_frame} B stack, {self.spill_stores}/{self.spill_loads} B spill st/ld{serialized}"
         )
 
 
@@ -373,10 +377,13 @@ def _usage(source: str, name: str, arch: str, lowered: str, log: str) -> Resourc
     part = log[start:] if start >= 0 else log
     nxt = part.find("Compiling entry function", 10)
     part = part[:nxt] if nxt > 0 else part
+    serialized = any("wgmma.mma_async instructions are serialized" in line and f"'{lowered}'" in line
+                     for line in log.splitlines())
     return ResourceUsage(
         source=source,
         name=name,
         arch=arch,
+        wgmma_serialized=serialized,
         registers=_int(r"Used (\d+) registers", part),
         spill_stores=_int(r"(\d+) bytes spill stores", part),
         spill_loads=_int(r"(\d+) bytes spill loads", part),
