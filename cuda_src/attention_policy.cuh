@@ -164,7 +164,6 @@ struct ModScoreOf {
   static constexpr bool kIdentity = false;
   static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
   static constexpr bool kAlibiOnly = !kMayCap;
-  static constexpr bool kSoftcapOnly = !kMaySlope;
   // The kernel's __grid_constant__ params: the softcap's scalars are read from the constant bank where they
   // are used (copies would cost registers in kernels at their limit), as ArrayScore does.
   const AttentionParams* P;

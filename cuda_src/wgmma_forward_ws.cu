@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   const int G = kPersistent ? static_cast<int>(gridDim.x) : 1;
   const int rounds = (n_items + G - 1) / G;
   auto item_of_round = [&](int k) { return k * G + (x + k) % G; };
-  const int g0 = x;  // round 0's
-  const TileCoord tc0 = kPersistent ? dense_tile_coord(p, Br, g0) : query_tile_coord(p, Br);
+  const TileCoord tc0 = kPersistent ? dense_tile_coord(p, Br, x) : query_tile_coord(p, Br);  // round 0's item
   const SeqGeometry seq = seq_geometry(p, tc0.bh / p.hq);  // sequence b's rows and lengths (dense: the problem)
   if ((tc0.n_tiles - 1 - tc0.tile) * Br >= seq.nq) return;  // past this sequence's queries (never when dense)
   Policy pol(p, seq);  // (its mask is the same for every item of a persistent block: dense, no block mask)
@@ -209,7 +208,7 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   const int row_w = c * 64 + warp * 16;  // first row of this warp's strip inside Q_i
   const uint32_t q_base = sQ_u + c * 64 * 128;
   // The block's last item with key tiles: its last P V is the block's last turn.
-  int g_last = g0;
+  int g_last = x;  // (round 0's item)
   if constexpr (kPersistent) {
     for (int k = rounds - 1; k > 0; --k) {
       const int g = item_of_round(k);

@@ -45,7 +45,7 @@ class ForwardConfig:
     stages: int = 3  # tile t+1 loads while P_{t-1} V_{t-1} still reads tile t-1
     min_blocks: int = 1
     ws: bool = False
-    persistent: bool = False  # ws only: at most a block an SM, each walking several query tiles (persistent_grid)
+    persistent: bool = False  # ws only: at most a block an SM, each walking several query tiles (persistent_by_default)
 
     def __post_init__(self) -> None:
         if self.ws and (self.warpgroups not in (2, 3) or self.min_blocks != 1 or self.stages < 2):
