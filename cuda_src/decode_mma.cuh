@@ -112,8 +112,38 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
   const bool col_ok = c * 8 < p.attn.d;
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
-  int page[kRows], slot[kRows];
+  if (k0 + kDecodeMmaBc <= k_end && (rows.bt == nullptr || rows.pow2)) {
+    // A whole tile (v7) of a contiguous cache or of a paged one with power-of-two pages: every row is below k_end
+    // (<= the sequence's capacity, cached_len), so a row's slot is its key (contiguous) or the key's low bits
+    // (paged; the page is still clamped into the array, whatever the table holds), with no per-row test or
+    // division. The loop was bound by its instructions' latencies at two warps a scheduler (ncu, H200), and the
+    // general path below spends ~40 instructions a row. These copies carry no L2 evict-first hint: with it,
+    // this path faulted with an illegal instruction on the GPU machine (NVRTC 13.0; benchmarks/NOTES.md, s26).
+    const int bytes = col_ok ? 16 : 0;
+    const int col = col_ok ? c * 8 : 0;  // a chunk past d copies nothing; its address stays in the row
+    const long long k_head = kvh * p.kc_s.h + col, v_head = kvh * p.vc_s.h + col;
+    if (rows.bt == nullptr) {
+      const long long k_row = rows.page_fixed * p.kc_s.b + k_head, v_row = rows.page_fixed * p.vc_s.b + v_head;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = r0 + i * kRowStep;
+        mma::cp_async_16(mma::smem_u32(sK + L::offset(r, c)), kc + (k_row + (k0 + r) * p.kc_s.n), bytes);
+        mma::cp_async_16(mma::smem_u32(sV + L::offset(r, c)), vc + (v_row + (k0 + r) * p.vc_s.n), bytes);
+      }
+    } else {
+      const int slot_mask = rows.page_size - 1;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = r0 + i * kRowStep, sl = (k0 + r) & slot_mask;
+        const long long pg = min(max(entry[i], 0), rows.num_pages - 1);
+        mma::cp_async_16(mma::smem_u32(sK + L::offset(r, c)), kc + (pg * p.kc_s.b + sl * p.kc_s.n + k_head), bytes);
+        mma::cp_async_16(mma::smem_u32(sV + L::offset(r, c)), vc + (pg * p.vc_s.b + sl * p.vc_s.n + v_head), bytes);
+      }
+    }
+    return;
+  }
   const unsigned long long policy = mma::l2_evict_first();  // each K/V byte is read once per call
+  int page[kRows], slot[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int key = k0 + r0 + i * kRowStep;
@@ -253,7 +283,8 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       if (tp < n_tiles) {
         load_kv_mma<T, kD>(sK + (tp % kStages) * S::kTile, sV + (tp % kStages) * S::kTile, p, rows, kvh,
                            k_begin + tp * kDecodeMmaBc, k_end, entry);
-        fetch_pages<kD>(entry, rows, k_begin + (tp + 1) * kDecodeMmaBc, k_end);  // consumed next iteration
+        // The next iteration's table entries (a contiguous cache has none to read).
+        if (rows.bt != nullptr) fetch_pages<kD>(entry, rows, k_begin + (tp + 1) * kDecodeMmaBc, k_end);
       }
       cp_async_commit();
     }
@@ -304,12 +335,16 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
     }
     float alpha[2];
     online_softmax<kNT>(s, c, m_run, l_run, alpha);
+    // O is rescaled only when some row's running max moved (v7): after the first tiles a max rarely moves, and
+    // the skipped multiplies are by exactly 1, so O is bit for bit the same.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      acc[n][0] *= alpha[0];
-      acc[n][1] *= alpha[0];
-      acc[n][2] *= alpha[1];
-      acc[n][3] *= alpha[1];
+      for (int n = 0; n < kD / 8; ++n) {
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
+      }
     }
 
     // O += P V on this warp's keys: C tiles 2kk, 2kk + 1 of S are the A fragment of k16 step kk.

@@ -319,15 +319,17 @@ def test_plans_for_the_issue_shapes(shape):
     blocks = b * 8 * pl.m_chunks
     assert pl.decode.grid == (b, 8 * pl.m_chunks, pl.splits)
     assert pl.km >= min(64, 4 * nq) and pl.decode.shared_bytes <= H100.max_shared_per_block
-    assert blocks * pl.splits >= H100.sm_count or pl.splits == 128 or pl.splits * 4 * pl.kbc >= cap
+    # the GPU filled: one more split would start a second wave (of a block an SM), or the splits ran out
+    assert blocks * (pl.splits + 1) > H100.sm_count or pl.splits == 128 or pl.splits * 4 * pl.kbc >= cap
     assert pl.append is None
 
 
-@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 4), ((64, 1, 4096), 1), ((1, 1, 131072), 33),
+@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 2), ((64, 1, 4096), 1), ((1, 1, 131072), 16),
                                            ((128, 1, 1024), 1), ((8, 16, 32768), 4)])  # fmt: skip
 def test_mma_plans_for_the_issue_shapes(shape, splits):
     """bf16 runs the tensor-core kernel: one 16-row strip at Nq = 1 (4 packed rows), four at Nq = 16 (64 rows), a
-    three-stage ring with two blocks per H100 SM, and splits that fill one wave of 2 x 132 resident blocks."""
+    three-stage ring with two blocks per H100 SM; the splits fill one wave of a block an SM at Nq = 1 (B = 1: 16
+    splits, 128 blocks) and of 2 x 132 resident blocks at Nq = 16."""
     from cupyflash.kernels import decode
     from cupyflash.plans import H100
 
@@ -338,6 +340,20 @@ def test_mma_plans_for_the_issue_shapes(shape, splits):
     assert pl.decode.shared_bytes == decode.mma_smem_bytes(128, pl.km // 16, 3) <= H100.max_shared_per_block
     assert decode.blocks_per_sm(pl.decode.shared_bytes, H100) == 2 and pl.decode.max_carveout
     assert b * 8 * pl.splits <= 2 * H100.sm_count or pl.splits == 1
+
+
+def test_split_model_one_block_an_sm_on_contiguous_caches_only():
+    """Decode v7: at Nq = 1 a contiguous cache's splits fill one block an SM (B = 1: 16 splits, not 33); a paged
+    cache (measured slower at 2 and 16 splits: its copies read the table) and Nq = 16 keep two an SM."""
+    from cupyflash.kernels import decode
+    from cupyflash.plans import H100
+
+    def splits(**kw):
+        return decode.plan(_problem(dtype="bf16", **kw), H100).splits
+
+    assert (splits(b=1, cap=131072), splits(b=1, cap=131072, page_size=16)) == (16, 33)
+    assert (splits(b=8, cap=32768), splits(b=8, cap=32768, page_size=16)) == (2, 4)
+    assert splits(b=1, nq=16, cap=131072) == 33
 
 
 def test_kernel_choice():

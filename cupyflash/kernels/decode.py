@@ -165,8 +165,13 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: s
         name = f"cupyflash::decode_split<{ctype}, {kd}, {km}, {kbc}, {p.variant.cpp_policy}>"
         stages, used = 2, "fma"
     m_chunks = cdiv(m_rows, km)
-    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits,
-                           blocks_per_sm(shared, limits))  # fmt: skip
+    # Resident blocks the split model fills. On a contiguous cache the one-strip tensor-core kernel (M <= 16: its
+    # four warps split the keys) streams K/V at the copy's rate with one block an SM, and fewer splits merge fewer
+    # partials (decode v7, H200 sweeps in benchmarks/NOTES.md s26: B = 1 best at 16 splits, 128 blocks, against 33
+    # filling two an SM). A paged cache (table reads a row) and 64-row chunks (Nq = 16) still want two an SM.
+    one_an_sm = used == "mma" and km == 16 and not p.paged
+    per_sm = 1 if one_an_sm else blocks_per_sm(shared, limits)
+    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits, per_sm)
     # the largest carveout: the plan counts on blocks_per_sm blocks' shared memory per SM
     decode = LaunchPlan(SOURCE, name, (p.batch, p.hk * m_chunks, splits), (THREADS, 1, 1), shared, max_carveout=True)
     append = None
