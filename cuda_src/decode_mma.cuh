@@ -117,8 +117,13 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
     // (<= the sequence's capacity, cached_len), so a row's slot is its key (contiguous) or the key's low bits
     // (paged; the page is still clamped into the array, whatever the table holds), with no per-row test or
     // division. The loop was bound by its instructions' latencies at two warps a scheduler (ncu, H200), and the
-    // general path below spends ~40 instructions a row. These copies carry no L2 evict-first hint: with it,
-    // this path faulted with an illegal instruction on the GPU machine (NVRTC 13.0; benchmarks/NOTES.md, s26).
+    // general path below spends ~40 instructions a row. The tile's shared bases go through a shuffle: left
+    // uniform, ptxas addressed the copies as [R + UR + imm] and reused the policy's uniform register pair for
+    // it, reading the L2 hint from an odd register (desc[UR1] / desc[UR7]: an illegal instruction on the GPU;
+    // benchmarks/NOTES.md, s26).
+    const unsigned long long policy = mma::l2_evict_first();  // each K/V byte is read once per call
+    const unsigned k_base = __shfl_sync(0xffffffffu, mma::smem_u32(sK), 0);
+    const unsigned v_base = __shfl_sync(0xffffffffu, mma::smem_u32(sV), 0);
     const int bytes = col_ok ? 16 : 0;
     const int col = col_ok ? c * 8 : 0;  // a chunk past d copies nothing; its address stays in the row
     const long long k_head = kvh * p.kc_s.h + col, v_head = kvh * p.vc_s.h + col;
@@ -127,8 +132,9 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int r = r0 + i * kRowStep;
-        mma::cp_async_16(mma::smem_u32(sK + L::offset(r, c)), kc + (k_row + (k0 + r) * p.kc_s.n), bytes);
-        mma::cp_async_16(mma::smem_u32(sV + L::offset(r, c)), vc + (v_row + (k0 + r) * p.vc_s.n), bytes);
+        const unsigned at = L::offset(r, c) * static_cast<int>(sizeof(T));
+        mma::cp_async_16_once(k_base + at, kc + (k_row + (k0 + r) * p.kc_s.n), bytes, policy);
+        mma::cp_async_16_once(v_base + at, vc + (v_row + (k0 + r) * p.vc_s.n), bytes, policy);
       }
     } else {
       const int slot_mask = rows.page_size - 1;
@@ -136,8 +142,9 @@ __device__ __forceinline__ void load_kv_mma(T* sK, T* sV, const DecodeParams& p,
       for (int i = 0; i < kRows; ++i) {
         const int r = r0 + i * kRowStep, sl = (k0 + r) & slot_mask;
         const long long pg = min(max(entry[i], 0), rows.num_pages - 1);
-        mma::cp_async_16(mma::smem_u32(sK + L::offset(r, c)), kc + (pg * p.kc_s.b + sl * p.kc_s.n + k_head), bytes);
-        mma::cp_async_16(mma::smem_u32(sV + L::offset(r, c)), vc + (pg * p.vc_s.b + sl * p.vc_s.n + v_head), bytes);
+        const unsigned at = L::offset(r, c) * static_cast<int>(sizeof(T));
+        mma::cp_async_16_once(k_base + at, kc + (pg * p.kc_s.b + sl * p.kc_s.n + k_head), bytes, policy);
+        mma::cp_async_16_once(v_base + at, vc + (pg * p.vc_s.b + sl * p.vc_s.n + v_head), bytes, policy);
       }
     }
     return;
