@@ -33,7 +33,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
 }
 // The same copy for data read once (decode's K/V cache), with an L2 evict-first policy (from l2_evict_first).
 // Measured on decode (H100, benchmarks/NOTES.md 2026-11-25): 1-3.8% less GPU time; a 256-byte L2 prefetch hint,
-// alone or beside it, changed nothing. Check new uses with benchmarks/dev_sass_desc.py (s26: ptxas once read the
+// alone or beside it, changed nothing. tests/test_sass.py checks its uses from the SASS (s26: ptxas once read the
 // policy from an odd register, an illegal instruction).
 __device__ __forceinline__ unsigned long long l2_evict_first() {
   unsigned long long policy;

@@ -371,6 +371,25 @@ def nvrtc_compile_many(source: str, names: list[str], arch: str) -> list[Resourc
     return [_usage(source, name, arch, low, log) for name, low in zip(names, lowered)]
 
 
+def nvrtc_cubin(source: str, names: list[str], arch: str) -> bytes:
+    """The cubin of ``names`` from ``source`` for ``arch``, compiled as a run-time call compiles it (the source's
+    own options, no -ftz): for CI's checks of the SASS (tests/test_sass.py) without a GPU."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(read_source(source), source if source == base_source(source) else "flex_user.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        opts = [*compile_options(), f"-arch={ARCH_SPECIFIC.get(base_source(source), arch)}"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise CompileError(f"{source}: {names} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def _usage(source: str, name: str, arch: str, lowered: str, log: str) -> ResourceUsage:
     # Keep only the lines about this entry (a module may hold several kernels).
     start = log.find(f"Compiling entry function '{lowered}'")
