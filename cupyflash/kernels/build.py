@@ -7,6 +7,7 @@ the same instantiation for a chosen architecture without a GPU and reports what 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
@@ -14,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 STD = "-std=c++17"
 
@@ -355,19 +356,9 @@ def nvrtc_compile_many(source: str, names: list[str], arch: str) -> list[Resourc
     parse what ptxas -v says of each entry."""
     from cupy.cuda import nvrtc
 
-    prog = nvrtc.createProgram(read_source(source), source if source == base_source(source) else "flex_user.cu", [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        opts = [*compile_options(), f"-arch={arch}", "-ftz=true", "-Xptxas=-v"]
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise CompileError(f"{source}: {names} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+    with _nvrtc_program(source, names, arch, [f"-arch={arch}", "-ftz=true", "-Xptxas=-v"]) as prog:
         log = nvrtc.getProgramLog(prog)
         lowered = [nvrtc.getLoweredName(prog, name) for name in names]
-    finally:
-        nvrtc.destroyProgram(prog)
     return [_usage(source, name, arch, low, log) for name, low in zip(names, lowered)]
 
 
@@ -376,16 +367,24 @@ def nvrtc_cubin(source: str, names: list[str], arch: str) -> bytes:
     own options, no -ftz): for CI's checks of the SASS (tests/test_sass.py) without a GPU."""
     from cupy.cuda import nvrtc
 
+    with _nvrtc_program(source, names, arch, [f"-arch={ARCH_SPECIFIC.get(base_source(source), arch)}"]) as prog:
+        return nvrtc.getCUBIN(prog)
+
+
+@contextlib.contextmanager
+def _nvrtc_program(source: str, names: list[str], arch: str, options: list[str]) -> Iterator[Any]:
+    """An NVRTC program of ``source`` with ``names`` compiled (compile_options() + ``options``), destroyed after."""
+    from cupy.cuda import nvrtc
+
     prog = nvrtc.createProgram(read_source(source), source if source == base_source(source) else "flex_user.cu", [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
-        opts = [*compile_options(), f"-arch={ARCH_SPECIFIC.get(base_source(source), arch)}"]
         try:
-            nvrtc.compileProgram(prog, opts)
+            nvrtc.compileProgram(prog, [*compile_options(), *options])
         except nvrtc.NVRTCError as e:
             raise CompileError(f"{source}: {names} for {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getCUBIN(prog)
+        yield prog
     finally:
         nvrtc.destroyProgram(prog)
 
