@@ -63,15 +63,18 @@ def test_merge_checks():
 # ---------------------------------------------------------------------------- KV cache: the reference
 
 
-def make_cache(rng, b, hk, cap, d, dtype=np.float64, page_size=None, extra_pages=3):
-    """A logical cache (B, Hk, cap, D) and its storage: contiguous, or shuffled pages plus a block table."""
-    logical = rng.standard_normal((b, hk, cap, d)).astype(dtype)
+def make_cache(rng, b, hk, cap, d, dtype=np.float64, page_size=None, extra_pages=3, logical=None, table=None):
+    """A logical cache (B, Hk, cap, D) and its storage: contiguous, or shuffled pages plus a block table.
+    ``logical`` and ``table``: store these keys, under this table (a V cache beside its K cache), instead of new."""
+    if logical is None:
+        logical = rng.standard_normal((b, hk, cap, d)).astype(dtype)
     if page_size is None:
         return logical, logical.copy(), None
     per_seq = -(-cap // page_size)
     n_pages = b * per_seq + extra_pages
     pages = rng.standard_normal((n_pages, hk, page_size, d)).astype(dtype)
-    table = rng.permutation(n_pages)[: b * per_seq].reshape(b, per_seq).astype(np.int32)
+    if table is None:
+        table = rng.permutation(n_pages)[: b * per_seq].reshape(b, per_seq).astype(np.int32)
     for bi in range(b):
         for j in range(per_seq):
             n = min(page_size, cap - j * page_size)

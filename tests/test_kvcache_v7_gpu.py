@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import DTYPES, HAS_GPU, requires_gpu
+from test_kvcache import make_cache
 from test_kvcache_gpu import _poison
 from test_kvcache_gpu import test_attention_with_kvcache as check_case
 from test_variants_gpu import assert_fa_criterion, naive_attention
@@ -26,21 +27,6 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 
 if HAS_GPU:
     import cupy
-
-
-def _paged(rng, logical, page, table=None):
-    """Pages of ``page`` keys holding ``logical`` (B, Hk, S, D) under ``table`` (or a new shuffled one), spare
-    pages of noise: (pages, table)."""
-    b, hk, s, d = logical.shape
-    per_seq = -(-s // page)
-    pages = rng.standard_normal((b * per_seq + 3, hk, page, d)).astype(logical.dtype)
-    if table is None:
-        table = rng.permutation(len(pages))[: b * per_seq].reshape(b, per_seq).astype(np.int32)
-    for bi in range(b):
-        for j in range(per_seq):
-            n = min(page, s - j * page)
-            pages[table[bi, j], :, :n] = logical[bi, :, j * page : j * page + n]
-    return pages, table
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -55,8 +41,8 @@ def test_copy_paths_agree_bit_for_bit(rng, causal):
     k_store, v_store = (cupy.asarray(np.ascontiguousarray(x.transpose(0, 2, 1, 3))) for x in (lk, lv))
     forms["(B, S, Hk, D) view"] = (k_store.transpose(0, 2, 1, 3), v_store.transpose(0, 2, 1, 3), None)
     for page in (64, 32, 1, 48):
-        kp, table = _paged(rng, lk, page)
-        vp, _ = _paged(rng, lv, page, table)
+        _, kp, table = make_cache(rng, b, hk, cap, d, dt, page, logical=lk)
+        _, vp, _ = make_cache(rng, b, hk, cap, d, dt, page, logical=lv, table=table)
         forms[f"pages of {page}"] = (cupy.asarray(kp), cupy.asarray(vp), cupy.asarray(table))
     got = {}
     for name, (kc, vc, table) in forms.items():
