@@ -204,11 +204,13 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
 // group; every thread of the block calls it (it synchronises). Partials are read through L2 (__ldcg): other
 // SMs wrote them during this launch, and L1 is not coherent with them.
 //
-// One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the split weights
-// of splits l, l + 32, ..., handed out by shuffles. The split loop is unrolled (kUnroll splits: 4 in the FMA kernel,
-// 8 in the tensor-core one) so that each lane has several independent L2 loads in flight: a loop that waited on one
-// load per split and column (merge_states' shape) costs ~splits x columns L2 round trips (tens of us at 33 splits).
-template <typename T, int kD, int kUnroll = 4>
+// One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the weights of
+// splits l, l + 32, ..., handed out by shuffles. The merge is the launch's tail, after the slowest split's loop,
+// and each L2 round trip there costs ~1 us while other blocks still stream the cache (per-block timestamps,
+// benchmarks/NOTES.md s27): so a batch of kBatch splits' columns (64 floats a lane) is loaded at once, the first
+// batch together with the lse values it is weighted by, and each lse is read once. Up to kBatch splits (16 at
+// D = 128) the merge waits on one round trip.
+template <typename T, int kD>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int kvh, int m0, int km) {
   __threadfence();  // this thread's partials are visible device-wide before the block counts itself in
   __syncthreads();
@@ -222,20 +224,38 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int 
   if (!__syncthreads_or(last)) return;
   __threadfence();  // the other blocks' partials, published before their counts, are read after ours
 
-  constexpr int kV = kD / 32;  // columns per lane: 2, 4 or 8
+  constexpr int kV = kD / 32;          // columns per lane: 2, 4 or 8
+  constexpr int kBatch = 64 / kV;      // splits loaded at once: 32, 16 or 8 (a divisor of 32)
   static_assert(kD % 64 == 0, "columns per lane in float2 pairs");
   const AttentionParams& a = p.attn;
   const long long rows_total = static_cast<long long>(a.batch) * a.hq * a.nq;
   const int lane = threadIdx.x % 32, c0 = lane * kV;
   const float neg_inf = -__int_as_float(0x7f800000);
+  const bool cols = c0 < a.d;  // d is even and c0 too: a pair is in or out as a whole
   for (int r = threadIdx.x / 32; r < km && m0 + r < p.m_rows; r += blockDim.x / 32) {
     const int row = m0 + r, h = kvh * a.group + row / a.nq, qi = row % a.nq;
     const long long prow = (static_cast<long long>(b) * a.hq + h) * a.nq + qi;
     const float* lse_p = p.lse_part + prow;             // split s at lse_p[s * rows_total]
     const float* o_p = p.o_part + prow * a.d + c0;      // split s at o_p[s * rows_total * d]
+    const long long o_step = rows_total * a.d;
+    // Splits s0 .. s0 + kBatch - 1 of this lane's columns (zeros past the last split or past d).
+    float2 x[kBatch][kV / 2];
+    auto load_batch = [&](int s0) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+        for (int v = 0; v < kV / 2; ++v) {
+          const bool ok = cols && s0 + j < splits && c0 + 2 * v < a.d;
+          const float2* src = reinterpret_cast<const float2*>(o_p + (s0 + j) * o_step + 2 * v);
+          x[j][v] = ok ? __ldcg(src) : make_float2(0.f, 0.f);
+        }
+      }
+    };
+    const float lse_lane = lane < splits ? __ldcg(lse_p + lane * rows_total) * kLog2e : neg_inf;
+    load_batch(0);  // in flight with lse_lane
     const float sink2 = sink_log2(a, h);
-    float mx = sink2;
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse_p + s * rows_total) * kLog2e);
+    float mx = fmaxf(sink2, lse_lane);
+    for (int s = lane + 32; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse_p + s * rows_total) * kLog2e);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     const float m_use = mx == neg_inf ? 0.f : mx;
@@ -243,25 +263,22 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int 
     float acc[kV], tot = 0.f;
 #pragma unroll
     for (int v = 0; v < kV; ++v) acc[v] = 0.f;
-    const bool cols = c0 < a.d;  // d is even and c0 too: a pair is in or out as a whole
-    for (int s0 = 0; s0 < splits; s0 += 32) {
-      // this lane's split weight (0 for a split that saw no key, and past the last split)
-      const float wl = s0 + lane < splits ? exp2f(__ldcg(lse_p + (s0 + lane) * rows_total) * kLog2e - m_use) : 0.f;
-      tot += wl;
-      const int n = min(32, splits - s0);
-#pragma unroll kUnroll
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(0xffffffffu, wl, j);
-        if (cols) {
-          const float* src = o_p + (s0 + j) * rows_total * a.d;
+    float wl = 0.f;  // this lane's split weight in the current group of 32 (0 for a split that saw no key)
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      if (s0 % 32 == 0) {
+        const int s = s0 + lane;
+        const float l2 = s0 == 0 ? lse_lane : (s < splits ? __ldcg(lse_p + s * rows_total) * kLog2e : neg_inf);
+        wl = exp2f(l2 - m_use);
+        tot += wl;
+      }
+      if (s0 > 0) load_batch(s0);
 #pragma unroll
-          for (int v = 0; v < kV; v += 2) {
-            if (c0 + v < a.d) {
-              const float2 x = __ldcg(reinterpret_cast<const float2*>(src + v));
-              acc[v] = fmaf(w, x.x, acc[v]);
-              acc[v + 1] = fmaf(w, x.y, acc[v + 1]);
-            }
-          }
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = __shfl_sync(0xffffffffu, wl, (s0 + j) % 32);
+#pragma unroll
+        for (int v = 0; v < kV / 2; ++v) {
+          acc[2 * v] = fmaf(w, x[j][v].x, acc[2 * v]);
+          acc[2 * v + 1] = fmaf(w, x[j][v].y, acc[2 * v + 1]);
         }
       }
     }

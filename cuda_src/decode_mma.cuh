@@ -16,8 +16,9 @@
 // when page_size is a power of two), never per element, and (v3) the reads for a tile go out one loop iteration
 // before its copies, so a scattered table (page size 1: 64 entries a tile) never stalls a warp. With several
 // splits, the last block of a row chunk merges the chunk's partials in the same launch (merge_if_last). (v5) The
-// block's ends are short: Q's rows go out by cp.async ahead of the ring's copies, and the merge keeps 8 loads in
-// flight per lane.
+// block's ends are short: Q's rows go out by cp.async ahead of the ring's copies; (v8) the merge loads a batch
+// of splits' partials (16 at D = 128) together with their lse values, one L2 round trip, and padding rows of the
+// combine are not stored.
 #pragma once
 #include "mma_primitives.cuh"
 #include "mma_softmax.cuh"
@@ -378,10 +379,14 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
   float* sm_l = sm_m + S::kWarps * 16;
   {
     const int g = lane / 4, t2 = (lane & 3) * 2;
+    // Only rows below m_rows are combined: padding rows (12 of 16 at Nq = 1, group 4) are not stored.
+    const bool lo_row = m0 + rw * 16 + g < p.m_rows, hi_row = m0 + rw * 16 + g + 8 < p.m_rows;
+    float* o_lo = &so[(warp * 16 + g) * S::kOPitch + t2];
+    float* o_hi = o_lo + 8 * S::kOPitch;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
-      *reinterpret_cast<float2*>(&so[(warp * 16 + g) * S::kOPitch + n * 8 + t2]) = make_float2(acc[n][0], acc[n][1]);
-      *reinterpret_cast<float2*>(&so[(warp * 16 + g + 8) * S::kOPitch + n * 8 + t2]) = make_float2(acc[n][2], acc[n][3]);
+      if (lo_row) *reinterpret_cast<float2*>(o_lo + n * 8) = make_float2(acc[n][0], acc[n][1]);
+      if (hi_row) *reinterpret_cast<float2*>(o_hi + n * 8) = make_float2(acc[n][2], acc[n][3]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -431,7 +436,7 @@ __global__ void __launch_bounds__(kDecodeMmaThreads, 2) decode_split_mma(const _
       if (col == 0) p.lse_part[prow] = lse;
     }
   }
-  if (gridDim.z > 1) merge_if_last<T, kD, 8>(p, b, kvh, m0, S::kM);
+  if (gridDim.z > 1) merge_if_last<T, kD>(p, b, kvh, m0, S::kM);
 }
 
 }  // namespace cupyflash
