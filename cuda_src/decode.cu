@@ -198,11 +198,17 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
 }
 
 // Split-KV's merge inside the decode launch ("last block done"): every split block of a (b, row chunk) has
-// written its float32 partials; it publishes them (fence) and counts itself in, and the block that arrives last
-// combines the chunk's rows by merge_states' rule (the sink joins once, here) and resets the counter for the next
-// launch. So a split call is one launch: no merge kernel, no memset. Rows m0 .. m0 + km - 1 of KV head kvh's
-// group; every thread of the block calls it (it synchronises). Partials are read through L2 (__ldcg): other
-// SMs wrote them during this launch, and L1 is not coherent with them.
+// written its float32 partials; it counts itself in, and the block that arrives last combines the chunk's rows by
+// merge_states' rule (the sink joins once, here) and resets the counter for the next launch. So a split call is one
+// launch: no merge kernel, no memset. Rows m0 .. m0 + km - 1 of KV head kvh's group; every thread of the block
+// calls it (it synchronises). Partials are read through L2 (__ldcg): other SMs wrote them during this launch, and
+// L1 is not coherent with them.
+//
+// Ordering: the barrier orders every thread's partial stores before thread 0's count (CTA scope); the count is one
+// acq_rel atomic at GPU scope, a release of those stores (cumulative through the barrier) and, in the last block,
+// the acquire of every earlier block's; the second barrier orders that acquire before its threads' loads. So no
+// thread fences: __threadfence() is fence.sc (MEMBAR.SC), and the tail of a split call is ~0.3 us shorter without
+// it (per-block timestamps, benchmarks/NOTES.md s27).
 //
 // One warp per row; lane l owns columns [l * kV, l * kV + kV) (kV = kD / 32, float2 loads) and the weights of
 // splits l, l + 32, ..., handed out by shuffles. The merge is the launch's tail, after the slowest split's loop,
@@ -212,17 +218,17 @@ __device__ __forceinline__ void to_floats(const uint4& u, float (&f)[16 / sizeof
 // D = 128) the merge waits on one round trip.
 template <typename T, int kD>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int kvh, int m0, int km) {
-  __threadfence();  // this thread's partials are visible device-wide before the block counts itself in
-  __syncthreads();
+  __syncthreads();  // the block's partials are stored (CTA order)
   const int splits = gridDim.z;
   int last = 0;
   if (threadIdx.x == 0) {
     int* count = p.split_count + (static_cast<long long>(b) * gridDim.y + blockIdx.y);
-    last = atomicAdd(count, 1) == splits - 1;
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
+    last = before == splits - 1;
     if (last) atomicExch(count, 0);  // every split has arrived: ready for the next launch
   }
   if (!__syncthreads_or(last)) return;
-  __threadfence();  // the other blocks' partials, published before their counts, are read after ours
 
   constexpr int kV = kD / 32;          // columns per lane: 2, 4 or 8
   constexpr int kBatch = 64 / kV;      // splits loaded at once: 32, 16 or 8 (a divisor of 32)

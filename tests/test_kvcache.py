@@ -327,12 +327,12 @@ def test_plans_for_the_issue_shapes(shape):
     assert pl.append is None
 
 
-@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 2), ((64, 1, 4096), 1), ((1, 1, 131072), 16),
+@pytest.mark.parametrize("shape, splits", [((8, 1, 32768), 4), ((64, 1, 4096), 1), ((1, 1, 131072), 16),
                                            ((128, 1, 1024), 1), ((8, 16, 32768), 4)])  # fmt: skip
 def test_mma_plans_for_the_issue_shapes(shape, splits):
     """bf16 runs the tensor-core kernel: one 16-row strip at Nq = 1 (4 packed rows), four at Nq = 16 (64 rows), a
-    three-stage ring with two blocks per H100 SM; the splits fill one wave of a block an SM at Nq = 1 (B = 1: 16
-    splits, 128 blocks) and of 2 x 132 resident blocks at Nq = 16."""
+    three-stage ring with two blocks per H100 SM; the splits fill one wave of 2 x 132 resident blocks, at most 16
+    at Nq = 1 on a contiguous cache (B = 1: 16 splits, 128 blocks; B = 8: 4 splits, 256 blocks)."""
     from cupyflash.kernels import decode
     from cupyflash.plans import H100
 
@@ -345,17 +345,21 @@ def test_mma_plans_for_the_issue_shapes(shape, splits):
     assert b * 8 * pl.splits <= 2 * H100.sm_count or pl.splits == 1
 
 
-def test_split_model_one_block_an_sm_on_contiguous_caches_only():
-    """Decode v7: at Nq = 1 a contiguous cache's splits fill one block an SM (B = 1: 16 splits, not 33); a paged
-    cache (measured slower at 2 and 16 splits: its copies read the table) and Nq = 16 keep two an SM."""
+def test_split_model_caps_contiguous_caches_at_one_merge_batch():
+    """Decode v8: at Nq = 1 a contiguous cache's splits fill two blocks an SM but stop at 16, one L2 round trip of
+    the merge (B = 1: 16 splits, not 33; B = 8: 4); a paged cache (measured slower at 16 splits: its copies read the
+    table) and Nq = 16 fill the 264 slots; D = 64 (four blocks an SM by shared memory) is counted at two."""
     from cupyflash.kernels import decode
     from cupyflash.plans import H100
 
     def splits(**kw):
         return decode.plan(_problem(dtype="bf16", **kw), H100).splits
 
+    assert decode.CONTIGUOUS_SPLITS == 16
     assert (splits(b=1, cap=131072), splits(b=1, cap=131072, page_size=16)) == (16, 33)
-    assert (splits(b=8, cap=32768), splits(b=8, cap=32768, page_size=16)) == (2, 4)
+    assert (splits(b=8, cap=32768), splits(b=8, cap=32768, page_size=16)) == (4, 4)
+    assert (splits(b=2, cap=65536), splits(b=4, cap=32768), splits(b=16, cap=16384)) == (16, 8, 2)
+    assert splits(b=1, cap=131072, d=64) == 16
     assert splits(b=1, nq=16, cap=131072) == 33
 
 
@@ -391,6 +395,7 @@ def test_choose_splits_fills_a_wave():
     assert choose_splits(300, 2048, H100, 0, 2) == 1  # more blocks than slots
     assert choose_splits(8, 20, H100, 0, 2) == 5  # at least four tiles per split
     assert choose_splits(8, 2048, H100, 6, 2) == 6  # the caller's count
+    assert choose_splits(8, 2048, H100, 0, 2, max_splits=16) == 16  # a cap: the plan's for contiguous caches
 
 
 def test_numpy_bfloat16_call():

@@ -69,7 +69,7 @@ def test_copy_paths_agree_bit_for_bit(rng, causal):
 
 
 # (id, (B, Hq, Hk, Nq, capacity, Nnew, page_size or None, D), spec, dtype, num_splits), as test_kvcache_gpu.CASES:
-# the plan's own split count (num_splits 0) where v7 changed it (B = 1 on a contiguous cache: one block an SM),
+# the plan's own split count (num_splits 0) where v7 and v8 changed it (B = 1 on a contiguous cache: 16 splits),
 # whole tiles only (a capacity of 64 x 40 and no new keys), and pages of 32 and 48.
 CASES = [
     ("b1-contig-auto-splits", (1, 32, 8, 1, 64 * 40, 0, None, 128), {}, "bfloat16", 0),

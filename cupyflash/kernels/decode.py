@@ -64,6 +64,10 @@ def mma_smem_bytes(kd: int, row_warps: int, stages: int) -> int:
     return max(loop, epilogue)
 
 
+#: The most splits the split model gives the one-strip tensor-core kernel on a contiguous cache (plan).
+CONTIGUOUS_SPLITS = 16
+
+
 def blocks_per_sm(shared: int, limits: DeviceLimits) -> int:
     """Resident blocks per SM by shared memory (``plans.blocks_by_smem``), at least 1 and at most 4."""
     return max(1, min(4, blocks_by_smem(shared, limits)))
@@ -93,11 +97,12 @@ def unsupported(p: KVCacheProblem) -> str | None:
     return None
 
 
-def choose_splits(blocks: int, tiles: int, limits: DeviceLimits, num_splits: int, per_sm: int = 2) -> int:
+def choose_splits(blocks: int, tiles: int, limits: DeviceLimits, num_splits: int, per_sm: int = 2,
+                  max_splits: int = 128) -> int:  # fmt: skip
     """Split the key range when the (B, Hk, row chunks) blocks cannot fill the GPU's ``sm_count * per_sm`` resident
     slots. The split count minimises a wave model, waves x (tiles per split + 2 for the prologue and epilogue),
-    over 1..128 splits of at least four key tiles each: at small B * Hk it fills one wave exactly (B = 1, Hk = 8,
-    264 slots: 33 splits) instead of leaving a second wave a fifth full. A static function of shapes: the
+    over 1..max_splits splits of at least four key tiles each: at small B * Hk it fills one wave exactly (B = 1,
+    Hk = 8, 264 slots: 33 splits) instead of leaving a second wave a fifth full. A static function of shapes: the
     workspace is sized from it."""
     if num_splits > 0:
         return max(1, min(num_splits, tiles, 1024))
@@ -105,7 +110,7 @@ def choose_splits(blocks: int, tiles: int, limits: DeviceLimits, num_splits: int
     if blocks >= slots:
         return 1
     best, best_cost = 1, None
-    for s in range(1, max(1, min(128, cdiv(tiles, 4))) + 1):
+    for s in range(1, max(1, min(max_splits, cdiv(tiles, 4))) + 1):
         cost = cdiv(blocks * s, slots) * (cdiv(tiles, s) + 2)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
@@ -165,13 +170,15 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: s
         name = f"cupyflash::decode_split<{ctype}, {kd}, {km}, {kbc}, {p.variant.cpp_policy}>"
         stages, used = 2, "fma"
     m_chunks = cdiv(m_rows, km)
-    # Resident blocks the split model fills. On a contiguous cache the one-strip tensor-core kernel (M <= 16: its
-    # four warps split the keys) streams K/V at the copy's rate with one block an SM, and fewer splits merge fewer
-    # partials (decode v7, H200 sweeps in benchmarks/NOTES.md s26: B = 1 best at 16 splits, 128 blocks, against 33
-    # filling two an SM). A paged cache (table reads a row) and 64-row chunks (Nq = 16) still want two an SM.
-    one_an_sm = used == "mma" and km == 16 and not p.paged
-    per_sm = 1 if one_an_sm else blocks_per_sm(shared, limits)
-    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits, per_sm)
+    # Resident blocks the split model fills: those shared memory allows. On a contiguous cache the one-strip
+    # tensor-core kernel (M <= 16: its four warps split the keys) fills two an SM with at most CONTIGUOUS_SPLITS
+    # splits: it streams K/V at DRAM's rate either way, and a merge of up to 16 partials is one L2 round trip at
+    # the launch's tail (decode v8; H200 sweeps in benchmarks/NOTES.md s27: B = 8 at 4 splits 1.5% faster than 2,
+    # B = 1 the same at 16 and 32 splits, both ahead of 20 and 24).
+    contiguous_strip = used == "mma" and km == 16 and not p.paged
+    per_sm = min(2, blocks_per_sm(shared, limits)) if contiguous_strip else blocks_per_sm(shared, limits)
+    splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits, per_sm,
+                           CONTIGUOUS_SPLITS if contiguous_strip else 128)  # fmt: skip
     # the largest carveout: the plan counts on blocks_per_sm blocks' shared memory per SM
     decode = LaunchPlan(SOURCE, name, (p.batch, p.hk * m_chunks, splits), (THREADS, 1, 1), shared, max_carveout=True)
     append = None
