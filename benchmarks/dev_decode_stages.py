@@ -20,9 +20,9 @@ def main(rounds: int, shapes: list[tuple[int, int]]) -> None:
 
     import cupyflash
     from cupyflash import kvcache
-    from cupyflash.bench import timing
     from cupyflash.bench.decode import gpu_ms
     from cupyflash.kernels import decode
+    from dev_decode_stamps import cudnn_gpu_us
 
     original = decode._mma_tile
 
@@ -36,14 +36,6 @@ def main(rounds: int, shapes: list[tuple[int, int]]) -> None:
             return got
         return tile
 
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention
-
-        from cupyflash.bench.device import to_torch
-    except ImportError:
-        torch = None
     bf16 = cupy.dtype("bfloat16")
     rng = cupy.random.default_rng(0)
     for b, s in shapes:
@@ -67,15 +59,9 @@ def main(rounds: int, shapes: list[tuple[int, int]]) -> None:
             decode._mma_tile = original
             kvcache._prepared.clear()
             line = f"B={b} S={s} round {r}: " + "  ".join(cells)
-            if torch is not None:
-                tq, tk, tv = (to_torch(x) for x in (q, kc, vc))
-
-                def sdpa():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-
-                with torch.no_grad():
-                    line += f"  cuDNN: {gpu_ms(sdpa, torch.cuda.synchronize, timing.TorchClock()) * 1e3:.1f}"
+            cudnn = cudnn_gpu_us(q, kc, vc)
+            if cudnn is not None:
+                line += f"  cuDNN: {cudnn:.1f}"
             print(line, flush=True)
         del q, kc, vc
 

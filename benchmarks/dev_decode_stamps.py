@@ -54,11 +54,33 @@ def patched_source() -> str:
     return sub(body, '#include "decode_mma.cuh"\n', head.replace("#pragma once\n", "") + "\n")
 
 
+def cudnn_gpu_us(q, k, v) -> float | None:
+    """SDPA cuDNN's GPU time (``bench.decode.gpu_ms``, us) on the same memory as the CuPy q, k, v; None without
+    torch. dev_decode_stages.py uses it too."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+    except ImportError:
+        return None
+    from cupyflash.bench import timing
+    from cupyflash.bench.decode import gpu_ms
+    from cupyflash.bench.device import to_torch
+
+    tq, tk, tv = (to_torch(x) for x in (q, k, v))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+    with torch.no_grad():
+        return gpu_ms(sdpa, torch.cuda.synchronize, timing.TorchClock()) * 1e3
+
+
 def main(shapes: list[tuple[int, int, int]]) -> None:
     import cupy
 
     import cupyflash
-    from cupyflash.bench import overhead, timing
     from cupyflash.bench.decode import gpu_ms
     from cupyflash.kernels import build
 
@@ -74,15 +96,6 @@ def main(shapes: list[tuple[int, int, int]]) -> None:
         return original(source, name)
 
     build.get_function = get_function
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention
-
-        from cupyflash.bench.device import to_torch
-    except ImportError:
-        torch = None
-
     bf16 = cupy.dtype("bfloat16")
     rng = cupy.random.default_rng(0)
     for b, s, splits in shapes:
@@ -110,15 +123,8 @@ def main(shapes: list[tuple[int, int, int]]) -> None:
         us = lambda x: f"{np.median(x) / 1e3:6.2f} [{np.min(x) / 1e3:6.2f}, {np.max(x) / 1e3:6.2f}]"
         ours = gpu_ms(step) * 1e3
         line = f"B={b} S={s} splits={splits or 'auto'} blocks={used.sum()} SMs={len(set(st[:, 7]))}: ours {ours:.1f} us"
-        if torch is not None:
-            tq, tk, tv = (to_torch(x) for x in (q, kc, vc))
-
-            def sdpa():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-
-            with torch.no_grad():
-                cudnn = gpu_ms(sdpa, torch.cuda.synchronize, timing.TorchClock()) * 1e3
+        cudnn = cudnn_gpu_us(q, kc, vc)
+        if cudnn is not None:
             line += f", cuDNN {cudnn:.1f} us"
         print(line)
         print(f"  kernel span (first entry -> last exit) {g[:, 4].max() / 1e3:.2f} us; entries {us(g[:, 0])}")

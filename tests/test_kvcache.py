@@ -322,7 +322,7 @@ def test_plans_for_the_issue_shapes(shape):
     blocks = b * 8 * pl.m_chunks
     assert pl.decode.grid == (b, 8 * pl.m_chunks, pl.splits)
     assert pl.km >= min(64, 4 * nq) and pl.decode.shared_bytes <= H100.max_shared_per_block
-    # the GPU filled: one more split would start a second wave (of a block an SM), or the splits ran out
+    # the GPU filled: one more split would give more blocks than SMs, or the splits ran out
     assert blocks * (pl.splits + 1) > H100.sm_count or pl.splits == 128 or pl.splits * 4 * pl.kbc >= cap
     assert pl.append is None
 
