@@ -6,6 +6,7 @@
 namespace cupyflash {
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // log2 on the MUFU path (~2^-22 relative).
 __device__ __forceinline__ float fast_log2(float x) {

@@ -274,7 +274,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int 
       if (s0 % 32 == 0) {
         const int s = s0 + lane;
         const float l2 = s0 == 0 ? lse_lane : (s < splits ? __ldcg(lse_p + s * rows_total) * kLog2e : neg_inf);
-        wl = exp2f(l2 - m_use);
+        wl = fast_exp2(l2 - m_use);
         tot += wl;
       }
       if (s0 > 0) load_batch(s0);
@@ -290,14 +290,14 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, int b, int 
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-    tot += exp2f(sink2 - m_use);  // 0 without a sink
-    const float inv = tot > 0.f ? 1.f / tot : 0.f;
+    tot += fast_exp2(sink2 - m_use);  // 0 without a sink
+    const float inv = tot > 0.f ? __fdividef(1.f, tot) : 0.f;  // MUFU paths, as the combine's (decode_mma.cuh)
     T* o = static_cast<T*>(a.o) + b * a.o_s.b + h * a.o_s.h + qi * a.o_s.n;
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
       if (c0 + v < a.d) o[c0 + v] = from_float<T>(acc[v] * inv);
     }
-    if (lane == 0) a.lse[b * a.lse_s.b + h * a.lse_s.h + qi * a.lse_s.n] = tot > 0.f ? (m_use + log2f(tot)) / kLog2e
+    if (lane == 0) a.lse[b * a.lse_s.b + h * a.lse_s.h + qi * a.lse_s.n] = tot > 0.f ? (m_use + fast_log2(tot)) * kLn2
                                                                                      : neg_inf;
   }
 }

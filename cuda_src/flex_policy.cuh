@@ -21,8 +21,6 @@
 
 namespace cupyflash {
 
-constexpr float kLn2 = 0.6931471805599453f;
-
 // What an aux array's accessor returns: float for the float types, the integer type itself, bool.
 template <class T> struct AuxValue { using type = T; };
 template <> struct AuxValue<__half> { using type = float; };
