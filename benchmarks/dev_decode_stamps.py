@@ -4,8 +4,8 @@ behind nine others, with SDPA cuDNN's and our queued GPU time for the same shape
 copy of the source text here; the library's kernels carry none. GPU machine:
     python benchmarks/dev_decode_stamps.py [B:S[:splits] ...]      (default 1:4096 1:16384 1:131072 8:32768)
 
-Stamps (thread 0 of each block): 0 entry, 1 tile 0 landed, 2 loop done, 3 partials stored, 4 exit, 5 the merging
-block past its arrival count.
+Stamps (thread 0 of each block): 0 entry, 1 tile 0 landed, 2 loop done, 6 the key slices in shared memory, 3
+partials stored, 4 exit, 5 the merging block past its arrival count.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def patched_source() -> str:
                "  const int rw = warp / kKeyWarps, kw = warp % kKeyWarps;\n  cf_stamp(0);\n")
     head = sub(head, "slot t - 1 is free again\n", "slot t - 1 is free again\n    if (t == 0) cf_stamp(1);\n")
     head = sub(head, "it becomes the combine buffer\n", "it becomes the combine buffer\n  cf_stamp(2);\n")
+    head = sub(head, "  __syncthreads();\n\n  // Combine the key slices of each row",
+               "  __syncthreads();\n  cf_stamp(6);\n\n  // Combine the key slices of each row")
     merge = next(line for line in head.splitlines(keepends=True) if "if (gridDim.z > 1) merge_if_last<" in line)
     head = sub(head, merge, "  cf_stamp(3);\n" + merge + "  cf_stamp(4);\n")
     body = build._read_file("decode.cu")
@@ -130,6 +132,8 @@ def main(shapes: list[tuple[int, int, int]]) -> None:
         print(f"  kernel span (first entry -> last exit) {g[:, 4].max() / 1e3:.2f} us; entries {us(g[:, 0])}")
         print(f"  prologue (entry -> tile 0 landed)     {us(g[:, 1] - g[:, 0])}")
         print(f"  loop (tile 0 -> loop done)            {us(g[:, 2] - g[:, 1])}; loop done at {us(g[:, 2])}")
+        print(f"  slices to shared memory + barrier     {us(g[:, 6] - g[:, 2])}")
+        print(f"  combine loop + partial stores         {us(g[:, 3] - g[:, 6])}")
         print(f"  combine + partials                    {us(g[:, 3] - g[:, 2])}")
         print(f"  arrival (partials -> exit, others)    {us((g[:, 4] - g[:, 3])[~merged])}")
         if merged.any():
