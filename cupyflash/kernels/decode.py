@@ -177,9 +177,11 @@ def plan(p: KVCacheProblem, limits: DeviceLimits, num_splits: int = 0, kernel: s
     # the launch's tail (decode v8; H200 sweeps in benchmarks/NOTES.md s27: B = 8 at 4 splits 1.5% faster than 2,
     # B = 1 the same at 16 and 32 splits, both ahead of 20 and 24).
     contiguous_strip = used == "mma" and km == 16 and not p.paged
-    per_sm = min(2, blocks_per_sm(shared, limits)) if contiguous_strip else blocks_per_sm(shared, limits)
+    per_sm, max_splits = blocks_per_sm(shared, limits), 128
+    if contiguous_strip:
+        per_sm, max_splits = min(2, per_sm), CONTIGUOUS_SPLITS
     splits = choose_splits(p.batch * p.hk * m_chunks, max(1, cdiv(p.capacity, kbc)), limits, num_splits, per_sm,
-                           CONTIGUOUS_SPLITS if contiguous_strip else 128)  # fmt: skip
+                           max_splits)  # fmt: skip
     # the largest carveout: the plan counts on blocks_per_sm blocks' shared memory per SM
     decode = LaunchPlan(SOURCE, name, (p.batch, p.hk * m_chunks, splits), (THREADS, 1, 1), shared, max_carveout=True)
     append = None
