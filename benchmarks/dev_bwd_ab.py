@@ -75,7 +75,12 @@ def main() -> None:
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--rows", nargs="+", default=None)
+    ap.add_argument("--no-tma", action="store_true", help="the backward's loader copies by cp.async (plans.wgmma.TMA)")
     a = ap.parse_args()
+    if a.no_tma:
+        from cupyflash.plans import wgmma as wgmma_plans
+
+        wgmma_plans.TMA = False  # a tree without the flag has no TMA path anyway
     ns = a.n or ([8192] if a.which == "bwd" else [16384])
     print(f"# {a.tag}: {cf.__file__}", flush=True)
     bf16 = cp.dtype("bfloat16")

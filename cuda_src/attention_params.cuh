@@ -136,6 +136,34 @@ struct AttentionParams {
   int q_parts;
 };
 
+// A TMA descriptor (the driver's CUtensorMap, encoded on the host by cupyflash/kernels/tensor_map.py): 128 opaque
+// bytes that cp.async.bulk.tensor reads by address. The PTX ISA wants it 64-byte aligned in the parameter space;
+// CUDA 13's cuda.h aligns CUtensorMap to 128, which we follow (it holds for both).
+struct alignas(128) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// The one argument of the kernels that copy by TMA (the wgmma backward's kTma): AttentionParams at offset 0, as every
+// other kernel's, then the maps of q and dout as (B, Hq, Nq, d) views, written per call with the arrays' addresses.
+// A struct of its own so that AttentionParams keeps its 8-byte alignment: aligned to 64 or more, ptxas loads its
+// fields differently in every kernel (the wgmma loader kernels' spills grew from 20/28 B to 28/44 B).
+struct TmaParams {
+  AttentionParams p;
+  TensorMap tma_q, tma_dout;
+};
+
+// A kernel's parameter type by its kTma flag, and the AttentionParams inside it.
+template <bool kTma>
+struct KernelParams {
+  using type = AttentionParams;
+};
+template <>
+struct KernelParams<true> {
+  using type = TmaParams;
+};
+__device__ __forceinline__ const AttentionParams& params_of(const AttentionParams& p) { return p; }
+__device__ __forceinline__ const AttentionParams& params_of(const TmaParams& t) { return t.p; }
+
 // Which (batch * heads, tile) a block works on, in the grid order the launch plan chose: heads fastest
 // puts every head's first tile in flight before any second one (under causal, the longest tiles go first);
 // tiles fastest runs one head's tiles together so they share its K/V (forward) or Q/dO (backward) in L2.

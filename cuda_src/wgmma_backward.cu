@@ -58,11 +58,21 @@ __device__ __forceinline__ Keep ring_keep_word(uint32_t addr, int w) {
 // arrays (staged tiles) or kOwnDQ. Measured against the lockstep kernel 1.01-1.05x (loader), then the bulk dQ adds
 // 1.05-1.10x at D = 64, 1.17x with softcap at D = 128, 0.97-1.02x on its plain scores (H200, s24).
 //
+//
+// kTma (with kLoader; plans.wgmma.uses_tma: dense calls whose q and dout TMA maps can describe; TmaParams): one
+// loader thread copies Q_i and dO_i by TMA (a box of 64 columns x Br rows a slab, the maps' 128-byte swizzle = the
+// tiles' TileLayout<64>, rows past Nq and columns past d zero-filled), their bytes completing on the slot's FULL
+// (expect_tx first). Each loader thread's lse/Delta cp.async then counts on FULL by itself once landed
+// (cp.async.mbarrier.arrive.noinc: FULL still expects 128 arrivals), so from step 1 on no loader thread waits for a
+// copy and the dQ adds of step it - 1 follow step it's issue at once. Step 0 keeps the blocking publish: its K_j/V_j
+// are cp.async writes that wgmma reads, which need the writer's proxy fence after they land.
+//
 // kOwnDQ: one key tile covers every key of the kv head, and the block does Delta and stores dQ (dq_own.cuh).
 template <typename T, int D, int Br, int kWG, int kStages, class Policy, bool kOwnDQ = false, bool kDrawer = false,
-          bool kLoader = false>
+          bool kLoader = false, bool kTma = false>
 __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
-    wgmma_flash_bwd(const __grid_constant__ AttentionParams p) {
+    wgmma_flash_bwd(const __grid_constant__ typename KernelParams<kTma>::type kp) {
+  const AttentionParams& p = params_of(kp);
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const T* __restrict__ k = static_cast<const T*>(p.k);
   const T* __restrict__ v = static_cast<const T*>(p.v);
@@ -100,6 +110,7 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
   constexpr int kScoreBytes = score_tile_bytes<typename Policy::Score>();
   static_assert(score_tile_is<typename Policy::Score, Br, Bc>(), "score tiles staged as the kernel's Br x Bc");
   static_assert(!kLoader || kScoreBytes == 0, "the loader copies no score tiles");
+  static_assert(!kTma || kLoader, "TMA copies are the loader's");
 
   // wgmma's swizzle pattern repeats every 1024 bytes: the host asks for 1 KB extra to align the base.
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -221,6 +232,9 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
     if (threadIdx.x >= kThreads) {  // the loader: copies and dQ's bulk adds, in lean loops
       ws::regs_dec<DrawerRegs::kProducerRegs>();
       const int tid = threadIdx.x - kThreads;
+      if constexpr (kTma) {
+        if (tid == 0) ws::tma_prefetch_map(&kp.tma_q), ws::tma_prefetch_map(&kp.tma_dout);
+      }
       if (total > 0) {  // K_j and V_j ride in step 0's group
         const long long ks = ws::opaque64(k_sn), vs = ws::opaque64(v_sn);
         ws::copy_tile<T, Bc, kSlabs>(sK_u, k + b * k_sb + hkv * k_sh + (seq.k_row0 + j0) * ks, ks, seq.nk - j0, d, tid);
@@ -236,19 +250,33 @@ __global__ void __launch_bounds__(kWG * 128 + (kDrawer || kLoader ? 128 : 0), 1)
         tile_of(it, hh, i0);
         const int bo = opaque(b);
         const SeqRows sq = seq_queries(p, bo);
-        const long long qs = ws::opaque64(q_sn), dos = ws::opaque64(do_sn);
-        const long long row = sq.q_row0 + i0;
-        ws::copy_tile<T, Br, kSlabs>(sQ_u + buf * kQBytes, q + bo * q_sb + hh * q_sh + row * qs, qs, sq.nq - i0, d,
-                                     tid);
-        ws::copy_tile<T, Br, kSlabs>(sdO_u + buf * kQBytes, dout + bo * do_sb + hh * do_sh + row * dos, dos,
-                                     sq.nq - i0, d, tid);
+        if constexpr (kTma) {  // dense: the maps' rows are the sequence's (q_row0 = 0)
+          if (tid == 0) {
+            const uint32_t full = load_pipe.full(it);
+            ws::mbar_expect_tx(full, 2 * kQBytes);
+#pragma unroll
+            for (int sl = 0; sl < kSlabs; ++sl) {
+              ws::tma_load_4d(sQ_u + buf * kQBytes + sl * kSlabBytesQ, &kp.tma_q, 64 * sl, i0, hh, bo, full);
+              ws::tma_load_4d(sdO_u + buf * kQBytes + sl * kSlabBytesQ, &kp.tma_dout, 64 * sl, i0, hh, bo, full);
+            }
+          }
+        } else {
+          const long long qs = ws::opaque64(q_sn), dos = ws::opaque64(do_sn);
+          const long long row = sq.q_row0 + i0;
+          ws::copy_tile<T, Br, kSlabs>(sQ_u + buf * kQBytes, q + bo * q_sb + hh * q_sh + row * qs, qs, sq.nq - i0, d,
+                                       tid);
+          ws::copy_tile<T, Br, kSlabs>(sdO_u + buf * kQBytes, dout + bo * do_sb + hh * do_sh + row * dos, dos,
+                                       sq.nq - i0, d, tid);
+        }
 #pragma unroll 1
-        for (int e = tid; e < 2 * Br; e += 128) copy_stat(e, buf, hh, i0, bo, sq);  // lse, then Delta
+        for (int e = kTma ? opaque(tid) : tid; e < 2 * Br; e += 128) copy_stat(e, buf, hh, i0, bo, sq);  // lse, Delta
         cp_async_commit();
-        ws::publish<0>(load_pipe.full(it));
+        if (kTma && it > 0) ws::cp_async_arrive_noinc(load_pipe.full(it));  // lse/Delta: read by ld.shared only
+        else ws::publish<0>(load_pipe.full(it));
         if (bulk_dq && it > 0) add_dq(it - 1, tid);
       }
       if (bulk_dq && total > 0) add_dq(total - 1, tid);
+      if constexpr (kTma) cp_async_wait<0>();  // no copy outlives its thread (deterministic turns: no add_dq above)
       return;
     }
     ws::regs_inc<DrawerRegs::kConsumerRegs>();

@@ -155,6 +155,33 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
+// TMA (PTX cp.async.bulk.tensor): one thread copies a box of a tensor described by a TensorMap (attention_params.cuh)
+// into shared memory, out-of-bounds elements zero-filled, and the copy's bytes complete on an mbarrier. The barrier's
+// phase then completes once its arrivals are in and the bytes announced by expect_tx (before the copies) have landed.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The box at coordinates (c0, c1, c2, c3), innermost first, of the 4-d map at generic address map, into dst (with the
+// map's 128-byte swizzle: dst 1024-byte aligned so that the pattern's rows are the box's).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// The map into the TMA unit's descriptor cache ahead of its first copy.
+__device__ __forceinline__ void tma_prefetch_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+// This thread's cp.async copies so far count as one arrival on bar once they have landed, without waiting for them
+// (.noinc: the arrival is one of those the barrier was initialised to expect). Their writes are then visible to the
+// threads that wait on bar through the generic proxy (ld.shared), not to wgmma (the async proxy).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // A tile of kRows x (64 kSlabs) elements into shared memory at dst (64-column slabs of TileLayout<64>, kRows * 128
 // bytes apart) by the producer's 128 threads (thread tid): as load_tile_async, but each thread walks its rows in a
 // rolled loop, one source pointer and one shared address moved a step at a time, which fits the producer's few

@@ -147,7 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in kernel_table(limits):
         print("  " + line)
+    if limits.compute_capability == 90:
+        print("  " + wgmma_backward_copies(probe_driver=not args.device))
     return 0
+
+
+def wgmma_backward_copies(probe_driver: bool = True) -> str:
+    """How the wgmma backward's loader copies Q_i/dO_i (plans.wgmma.TMA, uses_tma), and whether the driver's TMA
+    encoder is there (libcuda's cuTensorMapEncodeTiled, looked up through ctypes)."""
+    from .kernels import tensor_map
+    from .plans import wgmma
+
+    if not (wgmma.LOADER and wgmma.TMA):
+        return "wgmma backward: the loader copies Q_i/dO_i by cp.async (plans.wgmma.TMA or LOADER off)"
+    line = "wgmma backward: the loader copies Q_i/dO_i by TMA on dense calls with 16-byte strides, else by cp.async"
+    if probe_driver:
+        found = _try(lambda: tensor_map.driver_functions() and "found")
+        line += f" (libcuda's TMA encoder: {found})"
+    return line
 
 
 if __name__ == "__main__":

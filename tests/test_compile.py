@@ -261,8 +261,8 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
     on plain scores (FlexMask + FlexScore<ScoreFns>), and Window with the snippets on softcap/ALiBi; then a mask alone
     with a block mask in three kernels, without and with its bits, and the wgmma D=64 backward with them (lockstep
-    and with the loader). 15 instantiations (about 120 CPU-seconds of NVRTC), for sm_80 (sm_90a for wgmma). Their
-    sources are generated (``_compile`` registers them per process)."""
+    and with the loader, copying by cp.async or TMA). 16 instantiations (about 120 CPU-seconds of NVRTC), for sm_80
+    (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
     from cupyflash import flex
     from cupyflash.kernels import mma, portable, wgmma
     from cupyflash.plans import mma as mma_plans
@@ -298,7 +298,7 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
                       if isinstance(config, wgmma_plans.BackwardConfig) else config.source)  # fmt: skip
             names = [config.name("__nv_bfloat16", causal)]
             if isinstance(config, wgmma_plans.BackwardConfig):  # and with the loader warpgroup, as the plans launch it
-                names.append(config.name("__nv_bfloat16", causal, loader=True))
+                names += [config.name("__nv_bfloat16", causal, loader=True, tma=tma) for tma in (False, True)]
             jobs += [(fam.NAME, f"{source}#flex-{mask_only.key}", name, ARCHS[fam.NAME][0]) for name in names]
     return jobs
 
@@ -430,16 +430,19 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
 #: pointers); 8/8 B (8 B stack) at D = 64 on plain scores.
 #: With ALiBi at D = 64 (AlibiScore, plans.wgmma.LOADER_SCORES_D64) 68/84 B (64 B stack) in the compute warpgroups'
 #: 240 registers: measured 1.07x the lockstep kernel, which has none.
+#: With the loader's Q_i/dO_i by TMA (kTma, plans.wgmma.uses_tma) the loader spills nothing (NVRTC 13.5 and 13.0, every
+#: built-in score at both head dims); ALiBi at D = 64 keeps its compute warpgroups' spill (48/64 B, 76/100 B with 13.0).
 LOADER_SPILL_ALLOWANCE = 32
 LOADER_ALIBI_D64_ALLOWANCE = 96
 LOADER_SUFFIX = ", false, false, true>"  # kOwnDQ, kDrawer, kLoader
+TMA_SUFFIX = ", false, false, true, true>"  # ... and kTma
 
 
 def allowance(name: str, arch: str) -> int:
     loader = 0
-    if name.endswith(LOADER_SUFFIX):
+    if name.endswith((LOADER_SUFFIX, TMA_SUFFIX)):
         alibi_d64 = ", 64, 128, 2, 2," in name and "AlibiScore>" in name
-        loader = LOADER_ALIBI_D64_ALLOWANCE if alibi_d64 else LOADER_SPILL_ALLOWANCE
+        loader = LOADER_ALIBI_D64_ALLOWANCE if alibi_d64 else 0 if name.endswith(TMA_SUFFIX) else LOADER_SPILL_ALLOWANCE
     return max(loader, _policy_allowance(name, arch))
 
 

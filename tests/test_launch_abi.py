@@ -107,17 +107,49 @@ def _all_attention_instantiations():
     return by_source
 
 
+TMA_SUFFIX = ", true, true>"  # the wgmma backward's kLoader, kTma: it takes TmaParams
+
+
 @pytest.mark.parametrize("source", sorted(_all_attention_instantiations()))
 def test_every_attention_kernel_takes_one_params_struct(source):
-    from cupyflash.kernels.params import PARAMS
+    from cupyflash.kernels.params import PARAMS, TMA_PARAMS
 
-    names = _all_attention_instantiations()[source][:6]  # the parameter list is the same for every instantiation
+    every = _all_attention_instantiations()[source]
+    # the parameter list is the same for every instantiation: the first few, and the first that copies by TMA
+    names = every[:6] + [n for n in every if n.endswith(TMA_SUFFIX)][:1]
     ptx, lowered = _ptx(source, names)
     for name in names:
         head = ptx[ptx.index(f".entry {lowered[name]}(") :]
         head = head[: head.index(")")]
         params = re.findall(r"\.param \.align (\d+) \.b8 \w+\[(\d+)\]|\.param \.\w+ \w+", head)
-        assert len(params) == 1 and int(params[0][1]) == PARAMS.itemsize, f"{name}: {head}"
+        if name.endswith(TMA_SUFFIX):  # TmaParams: the maps want 64-byte alignment in the parameter space
+            assert len(params) == 1 and int(params[0][1]) == TMA_PARAMS.itemsize, f"{name}: {head}"
+            assert int(params[0][0]) >= 64, f"{name}: {head}"
+        else:  # AttentionParams keeps its 8-byte alignment (ptxas loads its fields so in every kernel)
+            assert len(params) == 1 and int(params[0][1]) == PARAMS.itemsize, f"{name}: {head}"
+            assert int(params[0][0]) == 8, f"{name}: {head}"
+
+
+def test_tma_params_layout_matches_cpp():
+    """TmaParams: AttentionParams at 0, each map at the offset and alignment Python writes it at (the driver's
+    encoder and the PTX ISA want 64-byte aligned maps; CUDA 13's CUtensorMap is aligned to 128)."""
+    from cupyflash.kernels.params import MAP_OFFSETS, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES, TMA_MAPS, TMA_PARAMS
+
+    exprs = ["sizeof(cupyflash::TmaParams)", "alignof(cupyflash::TmaParams)", "sizeof(cupyflash::TensorMap)",
+             "alignof(cupyflash::TensorMap)", "sizeof(cupyflash::AttentionParams)"]
+    try:
+        exprs += [f"__builtin_offsetof(cupyflash::TmaParams, {f})" for f in ("p", *(f"tma_{n}" for n in TMA_MAPS))]
+        values = probe_values("attention_params.cuh", exprs)
+    except AssertionError as e:  # NVRTC 13.0 has no __builtin_offsetof (CI's NVRTC 13.5 does)
+        if "__builtin_offsetof" not in str(e):
+            raise
+        pytest.skip("this NVRTC has no __builtin_offsetof for the layout probe (NVRTC >= 13.5 has)")
+    size, align, map_size, map_align, base, p_at, *map_at = values
+    assert (size, align, map_size, map_align) == (TMA_PARAMS.itemsize, TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES,
+                                                  TENSOR_MAP_ALIGN)  # fmt: skip
+    assert p_at == 0 and base == TMA_PARAMS.fields["p"][0].itemsize
+    assert map_at == [MAP_OFFSETS[n] for n in TMA_MAPS]
+    assert all(at % 64 == 0 and at >= base for at in map_at)
 
 
 @pytest.fixture

@@ -175,7 +175,9 @@ def test_instantiations_cover_every_config_once():
     # and the persistent ws forwards of the windows bounded on both sides
     persistent = len(plans.WS_FORWARD_CONFIGS) * sum(plans.persistent_by_default(v, False) for v in BUILTIN)
     assert persistent == 4
-    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + loaders + persistent)
+    # every loader kernel twice: copying by cp.async and by TMA (kTma)
+    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + 2 * loaders + persistent)
+    assert sum(name.endswith(", true, true>") for _, name in inst) == 2 * loaders
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 

@@ -238,14 +238,33 @@ class _Ready:
 class Launch(_Ready):
     """An attention kernel's launch: one parameter, a private copy of the ``AttentionParams`` bytes whose
     pointer fields the caller rewrites per call. A repeated call then costs one ``struct.pack_into`` and one
-    driver call (no buffers built, nothing converted)."""
+    driver call (no buffers built, nothing converted).
 
-    __slots__ = ()
+    A plan with ``tensor_maps`` takes ``TmaParams`` (the maps after the AttentionParams): its buffer is 128-byte
+    aligned, as the driver's encoder wants the maps, and ``maps`` (a ``tensor_map.MapWriter``) writes them per call
+    from the mapped arrays' addresses (``family.Runner``); None for every other plan."""
+
+    __slots__ = ("maps", "_raw")
 
     def __init__(self, plan, params: bytes) -> None:
         import ctypes
 
-        super().__init__(plan, ctypes.create_string_buffer(bytes(params), len(params)), [0])
+        self.maps = self._raw = None
+        specs = getattr(plan, "tensor_maps", ())
+        if not specs:
+            super().__init__(plan, ctypes.create_string_buffer(bytes(params), len(params)), [0])
+            return
+        from .params import TENSOR_MAP_ALIGN, TMA_PARAMS
+        from .tensor_map import MapWriter
+
+        if len(params) != TMA_PARAMS.itemsize:
+            raise ValueError(f"{plan.name}: TMA maps need TmaParams bytes ({TMA_PARAMS.itemsize}), got {len(params)}")
+        self._raw = ctypes.create_string_buffer(len(params) + TENSOR_MAP_ALIGN)
+        at = -ctypes.addressof(self._raw) % TENSOR_MAP_ALIGN
+        buffer = (ctypes.c_char * len(params)).from_buffer(self._raw, at)
+        ctypes.memmove(buffer, bytes(params), len(params))
+        super().__init__(plan, buffer, [0])
+        self.maps = MapWriter(ctypes.addressof(buffer), specs)
 
     def fire(self, stream: int) -> None:
         """Queue the kernel on ``stream`` with the buffer as it is now."""

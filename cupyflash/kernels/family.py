@@ -26,7 +26,7 @@ from ..plans import DeviceLimits, LaunchPlan
 from ..validation import AttentionProblem
 from . import build
 from .build import cupy_module
-from .params import POINTERS, Params, PointerPacker, write_batch0, write_dropout
+from .params import POINTERS, Params, PointerPacker, with_tensor_maps, write_batch0, write_dropout
 
 LOG2E = 1.4426950408889634
 
@@ -163,9 +163,11 @@ def scratch_rows(p: AttentionProblem, g: Geometry) -> int:
 
 
 def call_plan(launches: Sequence[LaunchPlan], params: Params, scratch: Sequence[Scratch] = ()) -> CallPlan:
-    """Every launch of a pass with the same params (kernels read the fields they need)."""
+    """Every launch of a pass with the same params (kernels read the fields they need); a launch with TMA maps
+    takes them as TmaParams, the maps zeroed until a call writes them."""
     base = params.to_bytes()
-    return CallPlan(tuple((lp, base) for lp in launches), tuple(scratch))
+    return CallPlan(tuple((lp, with_tensor_maps(base) if lp.tensor_maps else base) for lp in launches),
+                    tuple(scratch))  # fmt: skip
 
 
 # Launches of one plan share argument buffers: one thread writes and queues them at a time.
@@ -184,7 +186,7 @@ class Runner:
     makes them; cached signatures keep theirs (``cuda_backend._Prepared.run``)."""
 
     __slots__ = ("names", "launches", "offsets", "batch", "_pack", "_take", "_shifts", "_scratch_total",
-                 "_scratch_at", "_zeroed")  # fmt: skip
+                 "_scratch_at", "_zeroed", "_maps")  # fmt: skip
 
     def __init__(self, plan: CallPlan, g: Geometry, names: tuple[str, ...]) -> None:
         total, parts = plan.scratch_layout
@@ -206,6 +208,11 @@ class Runner:
         offsets = g.offsets
         single = len(offsets) == 1 and not any(offsets[0].values())
         self._shifts = None if single else tuple(tuple(off.get(n, 0) for n in packer.names) for off in offsets)
+        # Per launch, where its TMA maps' addresses are among the packed values (None: a launch without maps).
+        self._maps = tuple(None if launch.maps is None else _map_indices(launch, packer.names)
+                           for launch in self.launches)  # fmt: skip
+        if not any(self._maps):
+            self._maps = None
 
     def __call__(self, pointers: tuple[int, ...], dropout_seed: int | None = None, scratch: int | None = None) -> None:
         """Launch the plan with these pointers (``names``' order): with dropout, the seed and each sub-batch's first
@@ -222,23 +229,34 @@ class Runner:
         stream = cupy_module().cuda.get_current_stream().ptr
         pack, launches = self._pack, self.launches
         with _launching:
-            if self._shifts is None and not self._zeroed and dropout_seed is None:  # the common call
-                for launch in launches:
+            if self._shifts is None and not self._zeroed and dropout_seed is None and self._maps is None:
+                for launch in launches:  # the common call
                     pack(launch.buffer, 0, *values)
                     launch.fire(stream)
                 return
+            maps = self._maps or (None,) * len(launches)
             for i, shifts in enumerate(self._shifts or ((0,) * len(values),)):
                 for at, nbytes in self._zeroed:  # every sub-batch accumulates from zero
                     cupy_module().cuda.runtime.memsetAsync(scratch + at, 0, nbytes, stream)
                 shifted = values if self._shifts is None else [v + d for v, d in zip(values, shifts)]
-                for launch in launches:
+                for launch, at in zip(launches, maps):
                     pack(launch.buffer, 0, *shifted)
+                    if at is not None:  # TMA maps of this sub-batch's arrays
+                        launch.maps([shifted[i] for i in at])
                     if dropout_seed is not None:
                         write_dropout(launch.buffer, dropout_seed, i * self.batch)
                     elif len(self.offsets) > 1:  # user snippets see the global batch index too
                         write_batch0(launch.buffer, i * self.batch)
                     launch.fire(stream)
         del memory
+
+
+def _map_indices(launch: build.Launch, names: tuple[str, ...]) -> tuple[int, ...]:
+    """Where the arrays of ``launch``'s TMA maps are among a runner's packed pointer values (``names``' order)."""
+    missing = [s.pointer for s in launch.maps.specs if s.pointer not in names]
+    if missing:
+        raise ValueError(f"{launch.plan.name} maps {missing} by TMA, which the call does not pass")
+    return tuple(names.index(s.pointer) for s in launch.maps.specs)
 
 
 def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int | None = None) -> None:

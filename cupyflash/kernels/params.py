@@ -92,6 +92,23 @@ PARAMS = np.dtype(
 
 _POINTER_PACK = struct.Struct("<" + "Q" * len(POINTERS))
 
+#: ``TmaParams`` (attention_params.cuh), the argument of the kernels that copy by TMA: AttentionParams at offset 0,
+#: then the TMA maps (``TensorMap``: 128 opaque bytes aligned to 128) of these pointer fields, in this order.
+TMA_MAPS: tuple[str, ...] = ("q", "dout")
+TENSOR_MAP_BYTES = TENSOR_MAP_ALIGN = 128
+_FIRST_MAP = -(-PARAMS.itemsize // TENSOR_MAP_ALIGN) * TENSOR_MAP_ALIGN
+TMA_PARAMS = np.dtype({"names": ["p", *(f"tma_{n}" for n in TMA_MAPS)],
+                       "formats": [PARAMS, *[("u1", (TENSOR_MAP_BYTES,))] * len(TMA_MAPS)],
+                       "offsets": [0, *(_FIRST_MAP + i * TENSOR_MAP_BYTES for i in range(len(TMA_MAPS)))],
+                       "itemsize": _FIRST_MAP + len(TMA_MAPS) * TENSOR_MAP_BYTES})  # fmt: skip
+#: Byte offset in TmaParams of the map of each pointer field of TMA_MAPS (multiples of TENSOR_MAP_ALIGN).
+MAP_OFFSETS: dict[str, int] = {n: TMA_PARAMS.fields[f"tma_{n}"][1] for n in TMA_MAPS}
+
+
+def with_tensor_maps(params: bytes) -> bytes:
+    """AttentionParams bytes as TmaParams bytes: the maps zeroed (a launch writes them per call, tensor_map.py)."""
+    return bytes(params) + bytes(TMA_PARAMS.itemsize - len(params))
+
 
 class Params:
     """One call's ``AttentionParams`` bytes: the static part set once, pointers set per call."""

@@ -6,12 +6,14 @@ so either family's backward runs on either family's forward output.
 """
 from __future__ import annotations
 
+import numpy as np
 
 from .. import _dtypes
 from ..plans import DeviceLimits
 from ..plans import wgmma as plans
 from ..validation import AttentionProblem
 from .family import CallPlan, Geometry, entry_points
+from .tensor_map import TensorMapSpec, view_spec
 from .tensorcore import backward_call, ctype, forward_call
 
 NAME = "wgmma"
@@ -47,9 +49,29 @@ def backward_plan(
     p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.BackwardConfig | None = None,
     deterministic: bool = False,
 ) -> CallPlan:
+    cfg = config or plans.backward_config(p.d, limits)
+    maps = tma_maps(p, g, cfg.br) if cfg is not None else "no configuration"
     plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant,
-                               total=p.total_k if p.varlen else None)  # fmt: skip
+                               total=p.total_k if p.varlen else None,
+                               maps=maps if isinstance(maps, tuple) else ())  # fmt: skip
     return backward_call(plan, p, g, deterministic, limits.sm_count)
+
+
+def tma_maps(p: AttentionProblem, g: Geometry, rows: int) -> tuple[TensorMapSpec, TensorMapSpec] | str:
+    """The TMA maps of q and dout (boxes of ``rows`` rows) for the backward's loader (``plans.wgmma.uses_tma``), or
+    why the call's views have none: packed (varlen) rows, a row, head or batch stride that is not a positive multiple
+    of 16 bytes, or a base or sub-batch address off 16 bytes."""
+    if p.varlen:
+        return "varlen: packed sequences (the maps are of dense (B, H, N, D) views)"
+    if not g.aligned or any(off.get(n, 0) % 16 for off in g.offsets for n in ("q", "dout")):
+        return "rows not 16-byte aligned"
+    out = []
+    for name in ("q", "dout"):
+        spec = view_spec(name, ctype(p), np.dtype(p.dtype).itemsize, g.batch, p.hq, p.nq, p.d, g.strides[name], rows)
+        if isinstance(spec, str):
+            return f"{name}: {spec}"
+        out.append(spec)
+    return tuple(out)
 
 
 # Entry points with given outputs, for tests and benchmarks (the API goes through cuda_backend's cache).

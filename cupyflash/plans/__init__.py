@@ -103,6 +103,9 @@ class LaunchPlan:
     block: tuple[int, int, int]
     shared_bytes: int  # dynamic shared memory
     max_carveout: bool = False  # ask for the largest shared-memory carveout (tensor-core tiles)
+    #: TMA maps the kernel reads (kernels.tensor_map.TensorMapSpec, in params.TMA_MAPS order): it then takes TmaParams,
+    #: whose maps each call writes with the arrays' addresses (build.Launch)
+    tensor_maps: tuple = ()
 
     def __post_init__(self) -> None:
         if min(self.grid) < 1 or self.grid[1] > 65535 or self.grid[2] > 65535:

@@ -251,9 +251,12 @@ class BackwardConfig:
         tiles = 2 * self.bc * self.d + 2 * self.stages * self.br * self.d + self.bc * self.br  # K, V, Q/dO ring, dS^T
         return tiles * _ELEM + self.stages * 2 * self.br * 4 + _ALIGN_SLACK  # + lse and Delta per step
 
-    def name(self, ctype: str, policy: str, own_dq: bool = False, drawer: bool = False, loader: bool = False) -> str:
-        # kOwnDQ (cuda_src/dq_own.cuh), kDrawer, kLoader: trailing defaults (false) left out
-        flags = [own_dq, drawer, loader]
+    def name(self, ctype: str, policy: str, own_dq: bool = False, drawer: bool = False, loader: bool = False,
+             tma: bool = False) -> str:  # fmt: skip
+        # kOwnDQ (cuda_src/dq_own.cuh), kDrawer, kLoader, kTma: trailing defaults (false) left out
+        if tma and not loader:
+            raise ValueError("TMA copies are the loader warpgroup's (kTma needs kLoader)")
+        flags = [own_dq, drawer, loader, tma]
         while flags and not flags[-1]:
             flags.pop()
         tail = "".join(f", {'true' if f else 'false'}" for f in flags)
@@ -308,6 +311,19 @@ def uses_loader(d: int, variant: Variant, own: bool) -> bool:
     return score in LOADER_SCORES_D64 or (d == 128 and not score.startswith("FlexScore"))
 
 
+#: The loader's Q_i/dO_i by TMA (kTma, cuda_src/wgmma_backward.cu): one loader thread's cp.async.bulk.tensor per
+#: 64-column slab instead of 128 threads' cp.async, and lse/Delta arriving on the ring by themselves, so that no
+#: loader thread waits for a copy before dQ's bulk adds. Wherever the loader runs and the call's q and dout have TMA
+#: maps (``tma_maps``: dense, 16-byte strides). False: the loader copies with cp.async (tests and A/B scripts).
+TMA = True
+
+
+def uses_tma(loader: bool, maps: tuple) -> bool:
+    """Does the loader copy Q_i/dO_i by TMA? Where it runs and the call came with maps of q and dout (the family
+    module builds them from the call's geometry, ``kernels.wgmma.tma_maps``)."""
+    return TMA and loader and len(maps) == 2
+
+
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     64: BackwardConfig(64, br=128),
     128: BackwardConfig(128, br=64),
@@ -325,9 +341,11 @@ def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
 def plan_backward(
     batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
     config: BackwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
+    maps: tuple = (),
 ) -> BackwardPlan:  # fmt: skip
     """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel; one launch
-    when a key tile covers every key (``owns_dq``)."""
+    when a key tile covers every key (``owns_dq``). ``maps``: TMA maps of q and dout for the call's views, if they
+    have them (``uses_tma``: the main kernel with the loader then copies Q_i/dO_i by TMA and carries them)."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
@@ -338,17 +356,19 @@ def plan_backward(
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
     drawer = uses_drawer(cfg, variant)
     loader = uses_loader(cfg.d, variant, own) and smem + cfg.loader_bytes <= limits.max_shared_per_block
+    tma = uses_tma(loader, maps)
     threads = cfg.threads + 128 * (drawer or loader)
     smem += cfg.keep_ring_bytes() if drawer else cfg.loader_bytes if loader else 0
-    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer, loader), grid, (threads, 1, 1), smem,
-                      max_carveout=True)
+    main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer, loader, tma), grid, (threads, 1, 1), smem,
+                      max_carveout=True, tensor_maps=tuple(maps) if tma else ())  # fmt: skip
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
                    ) -> list[tuple[str, str]]:  # fmt: skip
     """The forward (lockstep and warp-specialised) and backward main kernels (the backward's helpers are the mma
-    family's; lockstep, and with the loader where ``uses_loader`` gives it one), with the policies of ``variants``."""
+    family's; lockstep, and with the loader where ``uses_loader`` gives it one, copying by cp.async or by TMA), with
+    the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for v in variants:
@@ -357,8 +377,8 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             if persistent_by_default(v, varlen=False):
                 out += [(c.source, replace(c, persistent=True).name(ct, pol)) for c in WS_FORWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
-            out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True)) for c in BACKWARD_CONFIGS.values()
-                    if uses_loader(c.d, v, own=False)]
+            out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True, tma=tma)) for c in BACKWARD_CONFIGS.values()
+                    for tma in (False, True) if uses_loader(c.d, v, own=False)]
     return out
 
 

@@ -1,0 +1,240 @@
+"""The wgmma backward's TMA path (kTma) on the CPU: the maps of (B, H, N, d) views, when the plan takes it, and what
+a call writes into the kernel's TmaParams, with CuPy's device calls faked (benchmarks/dev_host_fake.py) and the
+driver's encoder replaced by a recorder (no GPU, no libcuda).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.dev_host_fake import FakeDevice  # noqa: E402
+
+import cupyflash  # noqa: E402
+from cupyflash import cuda_backend  # noqa: E402
+from cupyflash.kernels import tensor_map  # noqa: E402
+from cupyflash.kernels.params import MAP_OFFSETS, PARAMS, POINTERS, TMA_PARAMS  # noqa: E402
+from cupyflash.plans import H100  # noqa: E402
+from cupyflash.plans import wgmma as plans  # noqa: E402
+from cupyflash.variants import Variant  # noqa: E402
+
+BF16 = np.dtype("bfloat16")
+SLOT = {n: 8 * i for i, n in enumerate(POINTERS)}
+
+
+# ---------------------------------------------------------------------------- maps of views
+
+
+def test_contiguous_view():
+    spec = tensor_map.view_spec("q", "__nv_bfloat16", 2, 2, 4, 1000, 128, (4 * 1000 * 128, 1000 * 128, 128), 64)
+    assert spec.dims == (128, 1000, 4, 2) and spec.strides == (256, 256 * 1000, 256 * 4000)
+    assert spec.box == (64, 64, 1, 1) and spec.dtype == "__nv_bfloat16"
+
+
+def test_bnhd_view_and_small_head_dim():
+    # (B, N, H, D) memory seen as (B, H, N, D): rows H * D apart, heads D apart
+    spec = tensor_map.view_spec("dout", "__half", 2, 3, 8, 500, 40, (500 * 8 * 40, 40, 8 * 40), 128)
+    assert spec.dims == (40, 500, 8, 3) and spec.strides == (8 * 80, 80, 500 * 8 * 80) and spec.box == (64, 128, 1, 1)
+
+
+def test_extent_one_axes_take_packed_strides():
+    spec = tensor_map.view_spec("q", "__nv_bfloat16", 2, 1, 1, 17, 64, (7, 3, 128), 64)
+    assert spec.strides == (256, 17 * 256, 17 * 256)  # rows 128 elements apart; the extent-1 axes packed after them
+
+
+@pytest.mark.parametrize("strides, why", [((36 * 1000, 36 * 1000, 36), "row stride of 72 bytes"),
+                                          ((128 * 1000, 0, 128), "head stride of 0 bytes"),
+                                          ((128 * 1000, 128 * 100, -128), "row stride of -256 bytes")])
+def test_views_tma_cannot_describe(strides, why):
+    d = 36 if strides[2] == 36 else 128
+    assert why in tensor_map.view_spec("q", "__nv_bfloat16", 2, 2, 10, 100, d, strides, 64)
+
+
+def test_only_16_bit_elements():
+    assert "16-bit" in tensor_map.view_spec("q", "float", 4, 1, 1, 100, 64, (6400, 6400, 64), 64)
+
+
+# ---------------------------------------------------------------------------- the plan's choice
+
+
+def _maps(rows: int = 64):
+    return tuple(tensor_map.view_spec(n, "__nv_bfloat16", 2, 1, 8, 4096, 128, (8 * 4096 * 128, 4096 * 128, 128), rows)
+                 for n in ("q", "dout"))  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [Variant(), Variant(causal=True), Variant(causal=True, window=(1024, 0)),
+                                     Variant(causal=True, alibi=True), Variant(softcap=30.0)])  # fmt: skip
+def test_the_loader_copies_by_tma_where_maps_come(variant):
+    plan = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=variant, maps=_maps())
+    assert plan.main.name.endswith(", false, false, true, true>") and plan.main.tensor_maps == _maps()
+    assert plan.main.block == (384, 1, 1)
+    plain = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=variant)
+    assert plain.main.name.endswith(", false, false, true>") and plain.main.tensor_maps == ()
+    assert plain.main.shared_bytes == plan.main.shared_bytes and plain.main.grid == plan.main.grid
+
+
+def test_no_tma_without_the_loader_or_when_turned_off(monkeypatch):
+    dropout = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=Variant(dropout=0.1),
+                                  maps=_maps())  # fmt: skip
+    assert dropout.main.tensor_maps == () and dropout.main.name.endswith(", false, true>")  # the drawer
+    own = plans.plan_backward(1, 8, 8, 128, 128, 128, "__nv_bfloat16", H100, maps=_maps())  # one key tile: kOwnDQ
+    assert own.own_dq and own.main.tensor_maps == ()
+    monkeypatch.setattr(plans, "TMA", False)
+    off = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, maps=_maps())
+    assert off.main.name.endswith(", false, false, true>") and off.main.tensor_maps == ()
+    with pytest.raises(ValueError, match="kTma needs kLoader"):
+        plans.BACKWARD_CONFIGS[64].name("__half", "P", tma=True)
+
+
+# ---------------------------------------------------------------------------- what a call writes
+
+
+class Driver:
+    """cuTensorMapEncodeTiled / cuTensorMapReplaceAddress recorded; each writes the address it is given into the
+    map's first 8 bytes and a marker into the next 8 (so the launch's bytes show which call wrote them)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def encode(self, at, dtype, rank, address, dims, strides, box, ones, interleave, swizzle, l2, oob):
+        self.calls.append(("encode", at, address, dtype, rank, tuple(dims), tuple(strides), tuple(box), tuple(ones),
+                           interleave, swizzle, oob))  # fmt: skip
+        ctypes.memmove(at, address.to_bytes(8, "little") + b"ENCODED!", 16)
+        return 0
+
+    def replace(self, at, address):
+        self.calls.append(("replace", at, address))
+        ctypes.memmove(at, address.to_bytes(8, "little") + b"REPLACED", 16)
+        return 0
+
+
+class Device(FakeDevice):
+    """Keeps each launch's parameter bytes: TmaParams for the main kernel (384 threads), else AttentionParams."""
+
+    def __init__(self, tma: bool) -> None:
+        super().__init__()
+        self.tma = tma
+        self.params: list[bytes] = []
+
+    def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra) -> None:
+        super().launch()
+        first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
+        nbytes = TMA_PARAMS.itemsize if self.tma and bx == 384 else PARAMS.itemsize
+        if nbytes == TMA_PARAMS.itemsize:
+            assert first % 128 == 0, "the maps' buffer is 128-byte aligned"
+        self.params.append(ctypes.string_at(first, nbytes))
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    d = Driver()
+    monkeypatch.setattr(tensor_map, "driver_functions", lambda: (d.encode, d.replace))
+    cuda_backend._backward_cache.clear()
+    yield d
+    cuda_backend._backward_cache.clear()
+
+
+def _arrays(dev, shape, strides=None, n=6, dtype=BF16):
+    step = -(-int(np.prod(shape)) * dtype.itemsize // 4096) * 4096
+    return [dev.array(shape, dtype, i * step, strides) for i in range(n)]
+
+
+def _map_bytes(params: bytes, name: str) -> tuple[int, bytes]:
+    at = MAP_OFFSETS[name]
+    return int.from_bytes(params[at:at + 8], "little"), params[at + 8:at + 16]
+
+
+def _main_plan():
+    (prep,) = [p for key, p in cuda_backend._backward_cache.items() if len(key) == 2]
+    return next(lp for lp, _ in prep.plan.launches if lp.name.startswith("wgmma_flash_bwd"))
+
+
+def test_a_call_encodes_its_maps_once_then_replaces_the_addresses(driver):
+    b, h, n, d = 2, 4, 1000, 128  # ragged: 1000 rows are not a multiple of Br = 64
+    with Device(tma=True) as dev:
+        q, k, v, o, do, spare = _arrays(dev, (b, h, n, d))
+        lse = dev.array((b, h, n), np.float32, 1 << 26)
+        cupyflash.attention_backward(do, q, k, v, o, lse, causal=True)
+        main = _main_plan()
+        assert main.name.endswith(", true, true>") and [s.pointer for s in main.tensor_maps] == ["q", "dout"]
+        encodes = [c for c in driver.calls if c[0] == "encode"]
+        assert [c[2] for c in encodes] == [q.data.ptr, do.data.ptr]
+        for c in encodes:
+            assert c[3:] == (9, 4, (d, n, h, b), (2 * d, 2 * d * n, 2 * d * n * h), (64, 64, 1, 1), (1, 1, 1, 1), 0, 3,
+                             0)  # fmt: skip
+        params = dev.params[1]  # Delta, main, dQ conversion
+        assert len(params) == TMA_PARAMS.itemsize
+        assert _map_bytes(params, "q") == (q.data.ptr, b"ENCODED!")
+        assert _map_bytes(params, "dout") == (do.data.ptr, b"ENCODED!")
+        assert int.from_bytes(params[SLOT["q"]:SLOT["q"] + 8], "little") == q.data.ptr
+        # the next call (new q and dout, the same signature) replaces the two addresses in place
+        driver.calls.clear()
+        cupyflash.attention_backward(spare, o, k, v, o, lse, causal=True)
+        assert [c[0] for c in driver.calls] == ["replace", "replace"]
+        assert [c[2] for c in driver.calls] == [o.data.ptr, spare.data.ptr]
+        assert {c[1] % 128 for c in driver.calls} == {0}
+        params = dev.params[4]
+        assert _map_bytes(params, "q") == (o.data.ptr, b"REPLACED")
+        assert _map_bytes(params, "dout") == (spare.data.ptr, b"REPLACED")
+        assert len(dev.params[3]) == PARAMS.itemsize  # Delta: AttentionParams
+
+
+def test_strided_views_and_gqa_map_their_own_strides(driver):
+    b, n, hq, hk, d = 2, 700, 8, 2, 96
+    with Device(tma=True) as dev:
+        qs = _arrays(dev, (b, n, hq, d), n=3)  # (B, N, H, D) memory seen through a transpose
+        q, o, do = (x.transpose(0, 2, 1, 3) for x in qs)
+        k = dev.array((b, n, hk, d), BF16, 1 << 27).transpose(0, 2, 1, 3)
+        v = dev.array((b, n, hk, d), BF16, 1 << 28).transpose(0, 2, 1, 3)
+        lse = dev.array((b, hq, n), np.float32, 1 << 29)
+        cupyflash.attention_backward(do, q, k, v, o, lse, window_size=(256, 0))
+        main = _main_plan()
+        assert main.name.endswith(", true, true>")
+        spec = main.tensor_maps[0]
+        assert spec.dims == (d, n, hq, b) and spec.strides == (hq * d * 2, d * 2, n * hq * d * 2)
+        assert spec.box == (64, 64, 1, 1)  # D = 96 pads to 128: Br = 64; columns 96..127 are the map's zeros
+
+
+def test_a_view_tma_cannot_map_keeps_cp_async(driver):
+    b, h, n, d = 1, 4, 512, 64
+    with Device(tma=False) as dev:
+        k, v, o, do = _arrays(dev, (b, h, n, d), n=4)
+        q = dev.array((b, 1, n, d), BF16, 1 << 27)
+        q = cupy.lib.stride_tricks.as_strided(q, (b, h, n, d), (n * d * 2, 0, d * 2, 2))  # one head read four times
+        lse = dev.array((b, h, n), np.float32, 1 << 28)
+        cupyflash.attention_backward(do, q, k, v, o, lse)
+        main = _main_plan()
+        assert main.name.endswith(", false, false, true>") and main.tensor_maps == ()
+        assert driver.calls == []
+
+
+def test_turned_off_the_loader_copies_by_cp_async(driver, monkeypatch):
+    monkeypatch.setattr(plans, "TMA", False)
+    with Device(tma=False) as dev:
+        q, k, v, o, do = _arrays(dev, (1, 4, 512, 128), n=5)
+        lse = dev.array((1, 4, 512), np.float32, 1 << 27)
+        cupyflash.attention_backward(do, q, k, v, o, lse)
+        assert _main_plan().name.endswith(", false, false, true>") and driver.calls == []
+        assert all(len(p) == PARAMS.itemsize for p in dev.params)
+
+
+def test_sub_batches_map_their_own_addresses(driver):
+    """Batch dims that cannot merge run once per sub-batch: each launch's maps take that sub-batch's addresses (the
+    first encoded, the next replaced), over the sub-batch's own batch extent."""
+    h, n, d = 2, 300, 64
+    with Device(tma=True) as dev:
+        full = _arrays(dev, (2, 5, h, n, d), n=5)
+        q, k, v, o, do = (x[:, :3] for x in full)  # (2, 3) batch dims 5 apart: they do not merge
+        lse = dev.array((2, 3, h, n), np.float32, 1 << 28)
+        cupyflash.attention_backward(do, q, k, v, o, lse)
+        main = _main_plan()
+        assert main.name.endswith(", true, true>") and main.tensor_maps[0].dims[3] == 3
+        sub = 5 * h * n * d * 2  # bytes between the two sub-batches
+        assert [(c[0], c[2]) for c in driver.calls] == [("encode", q.data.ptr), ("encode", do.data.ptr),
+                                                        ("replace", q.data.ptr + sub), ("replace", do.data.ptr + sub)]
