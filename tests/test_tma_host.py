@@ -156,6 +156,7 @@ def _main_plan():
 
 
 def test_a_call_encodes_its_maps_once_then_replaces_the_addresses(driver):
+    """Encoded at the first call; new arrays replace the addresses; the same arrays again make no driver call."""
     b, h, n, d = 2, 4, 1000, 128  # ragged: 1000 rows are not a multiple of Br = 64
     with Device(tma=True) as dev:
         q, k, v, o, do, spare = _arrays(dev, (b, h, n, d))
@@ -183,6 +184,15 @@ def test_a_call_encodes_its_maps_once_then_replaces_the_addresses(driver):
         assert _map_bytes(params, "q") == (o.data.ptr, b"REPLACED")
         assert _map_bytes(params, "dout") == (spare.data.ptr, b"REPLACED")
         assert len(dev.params[3]) == PARAMS.itemsize  # Delta: AttentionParams
+        # the same arrays again: the maps already hold their addresses, so no driver call; the launch still carries them
+        driver.calls.clear()
+        cupyflash.attention_backward(spare, o, k, v, o, lse, causal=True)
+        assert driver.calls == []
+        assert _map_bytes(dev.params[7], "q") == (o.data.ptr, b"REPLACED")
+        # back to the first arrays: replaced again
+        cupyflash.attention_backward(do, q, k, v, o, lse, causal=True)
+        assert [c[2] for c in driver.calls] == [q.data.ptr, do.data.ptr]
+        assert _map_bytes(dev.params[10], "dout") == (do.data.ptr, b"REPLACED")
 
 
 def test_strided_views_and_gqa_map_their_own_strides(driver):

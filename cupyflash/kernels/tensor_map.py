@@ -94,7 +94,7 @@ class MapWriter:
     """Writes one launch's TMA maps into its argument buffer (TmaParams bytes at ``base``, 128-byte aligned) per
     call: encoded at the first call, only their addresses replaced after (the shapes are the plan's)."""
 
-    __slots__ = ("specs", "_at", "_args", "_encoded")
+    __slots__ = ("specs", "_at", "_args", "_encoded", "_last")
 
     def __init__(self, base: int, specs: Sequence[TensorMapSpec]) -> None:
         if base % TENSOR_MAP_ALIGN:
@@ -105,15 +105,23 @@ class MapWriter:
         self._args = tuple((DATA_TYPE[s.dtype], _U64x4(*s.dims), _U64x3(*s.strides), _U32x4(*s.box), _U32x4(1, 1, 1, 1))
                            for s in self.specs)  # fmt: skip
         self._encoded = False
+        self._last: tuple[int, ...] = ()  # the addresses the maps hold now
 
     def __call__(self, addresses: Sequence[int]) -> None:
-        """The maps of ``specs`` with these array addresses (one per spec, in order; 16-byte aligned)."""
+        """The maps of ``specs`` with these array addresses (one per spec, in order; 16-byte aligned). Maps that
+        already hold them are left as they are (a loop over the same arrays, or the pool handing back the same
+        blocks, costs no driver call)."""
+        addresses = tuple(addresses)
+        if addresses == self._last:
+            return
         encode, replace = driver_functions()
+        self._last = ()  # until every map holds the new addresses
         if self._encoded:
             for at, address in zip(self._at, addresses):
                 err = replace(at, address)
                 if err:
                     raise TensorMapError(f"cuTensorMapReplaceAddress({address:#x}) returned CUresult {err}")
+            self._last = addresses
             return
         for at, address, spec, (dtype, dims, strides, box, ones) in zip(self._at, addresses, self.specs, self._args):
             err = encode(at, dtype, 4, address, dims, strides, box, ones, _INTERLEAVE_NONE, _SWIZZLE_128B,
@@ -121,3 +129,4 @@ class MapWriter:
             if err:
                 raise TensorMapError(f"cuTensorMapEncodeTiled({spec}, address {address:#x}) returned CUresult {err}")
         self._encoded = True
+        self._last = addresses
