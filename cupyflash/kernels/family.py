@@ -229,9 +229,16 @@ class Runner:
         stream = cupy_module().cuda.get_current_stream().ptr
         pack, launches = self._pack, self.launches
         with _launching:
-            if self._shifts is None and not self._zeroed and dropout_seed is None and self._maps is None:
-                for launch in launches:  # the common call
+            if self._shifts is None and not self._zeroed and dropout_seed is None:  # the common call
+                if self._maps is None:
+                    for launch in launches:
+                        pack(launch.buffer, 0, *values)
+                        launch.fire(stream)
+                    return
+                for launch, at in zip(launches, self._maps):
                     pack(launch.buffer, 0, *values)
+                    if at is not None:  # TMA maps of the arrays
+                        launch.maps([values[i] for i in at])
                     launch.fire(stream)
                 return
             maps = self._maps or (None,) * len(launches)
