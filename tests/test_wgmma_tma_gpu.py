@@ -20,6 +20,7 @@ import pytest
 
 from conftest import DTYPES, HAS_GPU, TOL_GRAD, rel_err, requires_gpu
 from test_varlen_gpu import poison_pool
+from test_wgmma_loader_gpu import _keywords
 
 import cupyflash
 from cupyflash import reference
@@ -71,13 +72,7 @@ def test_tma_and_cp_async_loaders_agree(case, rng, monkeypatch):
     dt = DTYPES["bfloat16"]
     host = [rng.standard_normal(s).astype(dt) for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, d), (b, hq, nq, d))]
     q, k, v, do = (_array(x, layout) for x in host)
-    call, ref_kw = dict(kw), dict(kw)
-    if kw.get("alibi_slopes"):
-        slopes = rng.uniform(0.01, 0.5, hq).astype(np.float32)
-        call["alibi_slopes"], ref_kw["alibi_slopes"] = cupy.asarray(slopes), slopes
-    if kw.get("sinks"):
-        sinks = rng.standard_normal(hq).astype(np.float32)
-        call["sinks"], ref_kw["sinks"] = cupy.asarray(sinks), sinks
+    call, ref_kw = _keywords(kw, b, hq, nq, nk, rng)
     o, lse = cupyflash.attention_forward(q, k, v, causal, kernel="wgmma", **call)
     out = {}
     for tma in (True, False):
