@@ -8,7 +8,8 @@ address range, ``cupy.cuda.memory.UnownedMemory``, so ``type(x)``, ``x.data.ptr`
 what they cost on the GPU machine). What is faked (``FakeDevice``): ``cupy.cuda.alloc``, ``cupy.empty`` and
 ``cupy.zeros`` (a bump allocator over that range, never written), ``cupy.cuda.runtime.getDevice``, ``cupy.cuda.Device``,
 ``cupy.cuda.get_current_stream``, ``cupy.cuda.driver.launchKernel`` (counts launches), ``DeviceLimits.current``,
-libcuda's TMA map encoder (``tensor_map.driver_functions``) and the kernel's function handle (``build._function_ptr``), so nothing is compiled. Their own costs are
+libcuda's TMA map encoder (``tensor_map.driver_functions``) and the kernel's function handle
+(``build._function_ptr``), so nothing is compiled. Their own costs are
 printed too (the "fake ..." rows), to subtract; on the GPU machine the real ones cost more (a launch ~5.9 us,
 ``cupy.cuda.alloc`` ~1 us) and its CPU runs Python ~3-4x slower than a workstation.
 
