@@ -12,15 +12,15 @@
 //   step's products only after consumer c - 1 (cyclically) has issued its own, so one warpgroup's softmax runs
 //   while the others' products keep the tensor cores busy, instead of every warpgroup doing its softmax at once.
 //
-// The ring (ws_primitives.cuh's Ring): per slot FULL_K, FULL_V (count: the producer's 128 threads) and EMPTY_K,
-// EMPTY_V (count: the consumers' 4 kConsumers warps). A producer thread copies its share of a tile, commits it as a
-// cp.async group, and once that group has landed (cp.async.wait_group on its own groups) runs fence.proxy.async
+// The ring (ws_primitives.cuh's Ring): per slot FULL_K, FULL_V (count: the producer's 128 threads; kTma: 1, below) and
+// EMPTY_K, EMPTY_V (count: the consumers' 4 kConsumers warps). A producer thread copies its share of a tile, commits it
+// as a cp.async group, and once that group has landed (cp.async.wait_group on its own groups) runs fence.proxy.async
 // (its generic-proxy writes made visible to the async proxy wgmma reads through) and arrives on the tile's FULL
 // barrier: the thread that wrote is the thread that fences. Groups go K_0 (with Q_i), V_0, K_1, V_1, ...; K_t is
-// published right after V_t is issued and V_{t-1} right after K_t, so one group is always in flight behind the
-// one awaited. Consumers wait on FULL before the product that reads a tile and release it (one arrival per warp)
-// once the wgmma that read it has completed: K_t after S_t (wait<1>), V_t after P_t V_t (wait<0>). The producer
-// waits on EMPTY before refilling a slot. Parities follow from the tile index (Ring::fill_parity).
+// published right after V_t is issued and V_{t-1} right after K_t, so one group is always in flight behind the one
+// awaited. Consumers wait on FULL before the product that reads a tile and release it (one arrival per warp) once the
+// wgmma that read it has completed: K_t after S_t (wait<1>), V_t after P_t V_t (wait<0>). The producer waits on EMPTY
+// before refilling a slot. Parities follow from the tile index (Ring::fill_parity).
 //
 // Turns: named barrier kTurnBar + c (256 threads: consumer c syncs, consumer c - 1 arrives) opens consumer c's
 // turn; a consumer syncs on its own before a step's products and arrives on the next one's after issuing them.

@@ -440,7 +440,9 @@ TMA_SUFFIX = ", false, false, true, true>"  # ... and kTma
 
 #: The ws forward with its producer's copies by TMA (kTma, plans.wgmma.uses_tma_forward; TmaParams, 128-byte aligned):
 #: spill-free but D = 64 Causal + ModScore (softcap and ALiBi at the 160-register consumers), 8/8 B (8 B stack) with
-#: NVRTC 13.5 and 13.0 where its cp.async form has none (ptxas reads the differently aligned parameter otherwise).
+#: NVRTC 13.5 and 13.0 where its cp.async form has none: the consumers' 64-bit head index, stored once before the key
+#: loop and reloaded for the epilogue (SASS: one STL.64, one LDL.64 an item; ptxas allocates the 128-byte aligned
+#: parameter's reads differently).
 WS_TMA_ALLOWANCE = {f"wgmma_flash_fwd_ws<{ct}, 64, 128, 3, 4, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore>"
                     ", false, true>": 8 for ct in ("__half", "__nv_bfloat16")}  # fmt: skip
 

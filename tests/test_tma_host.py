@@ -1,6 +1,6 @@
-"""The wgmma backward's and ws forward's TMA paths (kTma) on the CPU: the maps of (B, H, N, d) views, when the plan takes it, and what
-a call writes into the kernel's TmaParams, with CuPy's device calls faked (benchmarks/dev_host_fake.py) and the
-driver's encoder replaced by a recorder (no GPU, no libcuda).
+"""The wgmma backward's and ws forward's TMA paths (kTma) on the CPU: the maps of (B, H, N, d) views, when the plans
+take them, and what a call writes into the kernel's TmaParams, with CuPy's device calls faked
+(benchmarks/dev_host_fake.py) and the driver's encoder replaced by a recorder (no GPU, no libcuda).
 """
 from __future__ import annotations
 

@@ -392,9 +392,9 @@ def plan_backward(
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
                    ) -> list[tuple[str, str]]:  # fmt: skip
-    """The forward (lockstep and warp-specialised, the latter copying by cp.async or by TMA) and backward main kernels (the backward's helpers are the mma
-    family's; lockstep, and with the loader where ``uses_loader`` gives it one, copying by cp.async or by TMA), with
-    the policies of ``variants``."""
+    """The forward (lockstep and warp-specialised, the latter copying by cp.async or by TMA) and backward main
+    kernels (the backward's helpers are the mma family's; lockstep, and with the loader where ``uses_loader`` gives it
+    one, copying by cp.async or by TMA), with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for v in variants:
