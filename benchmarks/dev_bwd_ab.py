@@ -76,7 +76,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=None)
     ap.add_argument("--rows", nargs="+", default=None)
     ap.add_argument("--no-tma", action="store_true", help="the backward's loader copies by cp.async (plans.wgmma.TMA)")
+    ap.add_argument("--no-tma-fwd", action="store_true",
+                    help="the ws forward's producer copies by cp.async (plans.wgmma.TMA_FORWARD)")
     a = ap.parse_args()
+    if a.no_tma_fwd:
+        from cupyflash.plans import wgmma as wgmma_plans
+
+        wgmma_plans.TMA_FORWARD = False  # (a tree without the flag: no TMA forward anyway)
     if a.no_tma:
         from cupyflash.plans import wgmma as wgmma_plans
 

@@ -7,8 +7,9 @@ keys, the pointer packing, and ``cupy.ndarray`` itself (inputs and outputs are C
 address range, ``cupy.cuda.memory.UnownedMemory``, so ``type(x)``, ``x.data.ptr`` and the outputs' views cost
 what they cost on the GPU machine). What is faked (``FakeDevice``): ``cupy.cuda.alloc``, ``cupy.empty`` and
 ``cupy.zeros`` (a bump allocator over that range, never written), ``cupy.cuda.runtime.getDevice``, ``cupy.cuda.Device``,
-``cupy.cuda.get_current_stream``, ``cupy.cuda.driver.launchKernel`` (counts launches), ``DeviceLimits.current``
-and the kernel's function handle (``build._function_ptr``), so nothing is compiled. Their own costs are
+``cupy.cuda.get_current_stream``, ``cupy.cuda.driver.launchKernel`` (counts launches), ``DeviceLimits.current``,
+libcuda's TMA map encoder (``tensor_map.driver_functions``) and the kernel's function handle
+(``build._function_ptr``), so nothing is compiled. Their own costs are
 printed too (the "fake ..." rows), to subtract; on the GPU machine the real ones cost more (a launch ~5.9 us,
 ``cupy.cuda.alloc`` ~1 us) and its CPU runs Python ~3-4x slower than a workstation.
 
@@ -46,6 +47,12 @@ class _Device:
 
     def synchronize(self) -> None:
         pass
+
+
+def _no_driver_call(*args: Any) -> int:
+    """libcuda's cuTensorMapEncodeTiled / cuTensorMapReplaceAddress (the TMA maps' bytes): CUDA_SUCCESS, nothing
+    written (no kernel reads them here)."""
+    return 0
 
 
 class FakeDevice:
@@ -106,6 +113,10 @@ class FakeDevice:
         self._set(cupy.cuda.driver, "launchKernel", self.launch)
         self._set(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
         self._set(build, "_function_ptr", lambda plan: 1)
+        from cupyflash.kernels import tensor_map
+
+        if tensor_map.driver_functions.__module__ == tensor_map.__name__:  # (a test may have put a recorder there)
+            self._set(tensor_map, "driver_functions", lambda: (_no_driver_call, _no_driver_call))  # TMA maps
         dummies = dict(linear._dummies)
         self._saved.append((linear, "_dummies", linear._dummies))
         linear._dummies = {**dummies, **{d: self.empty((1,), np.float32) for d in range(4)}}

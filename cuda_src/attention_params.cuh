@@ -143,13 +143,15 @@ struct alignas(128) TensorMap {
   unsigned long long opaque[16];
 };
 
-// The one argument of the kernels that copy by TMA (the wgmma backward's kTma): AttentionParams at offset 0, as every
-// other kernel's, then the maps of q and dout as (B, Hq, Nq, d) views, written per call with the arrays' addresses.
+// The one argument of the kernels that copy by TMA (the wgmma backward's and ws forward's kTma): AttentionParams at
+// offset 0, as every other kernel's, then the maps of q and dout as (B, Hq, Nq, d) views and of k and v as (B, Hk, Nk,
+// d) views (params.TMA_MAPS' order), written per call with the addresses of the arrays a kernel maps (the others
+// stay zero: the backward reads q and dout, the forward q, k and v).
 // A struct of its own so that AttentionParams keeps its 8-byte alignment: aligned to 64 or more, ptxas loads its
 // fields differently in every kernel (the wgmma loader kernels' spills grew from 20/28 B to 28/44 B).
 struct TmaParams {
   AttentionParams p;
-  TensorMap tma_q, tma_dout;
+  TensorMap tma_q, tma_dout, tma_k, tma_v;
 };
 
 // A kernel's parameter type by its kTma flag, and the AttentionParams inside it.

@@ -12,15 +12,15 @@
 //   step's products only after consumer c - 1 (cyclically) has issued its own, so one warpgroup's softmax runs
 //   while the others' products keep the tensor cores busy, instead of every warpgroup doing its softmax at once.
 //
-// The ring (ws_primitives.cuh's Ring): per slot FULL_K, FULL_V (count: the producer's 128 threads) and EMPTY_K,
-// EMPTY_V (count: the consumers' 4 kConsumers warps). A producer thread copies its share of a tile, commits it as a
-// cp.async group, and once that group has landed (cp.async.wait_group on its own groups) runs fence.proxy.async
+// The ring (ws_primitives.cuh's Ring): per slot FULL_K, FULL_V (count: the producer's 128 threads; kTma: 1, below) and
+// EMPTY_K, EMPTY_V (count: the consumers' 4 kConsumers warps). A producer thread copies its share of a tile, commits it
+// as a cp.async group, and once that group has landed (cp.async.wait_group on its own groups) runs fence.proxy.async
 // (its generic-proxy writes made visible to the async proxy wgmma reads through) and arrives on the tile's FULL
 // barrier: the thread that wrote is the thread that fences. Groups go K_0 (with Q_i), V_0, K_1, V_1, ...; K_t is
-// published right after V_t is issued and V_{t-1} right after K_t, so one group is always in flight behind the
-// one awaited. Consumers wait on FULL before the product that reads a tile and release it (one arrival per warp)
-// once the wgmma that read it has completed: K_t after S_t (wait<1>), V_t after P_t V_t (wait<0>). The producer
-// waits on EMPTY before refilling a slot. Parities follow from the tile index (Ring::fill_parity).
+// published right after V_t is issued and V_{t-1} right after K_t, so one group is always in flight behind the one
+// awaited. Consumers wait on FULL before the product that reads a tile and release it (one arrival per warp) once the
+// wgmma that read it has completed: K_t after S_t (wait<1>), V_t after P_t V_t (wait<0>). The producer waits on EMPTY
+// before refilling a slot. Parities follow from the tile index (Ring::fill_parity).
 //
 // Turns: named barrier kTurnBar + c (256 threads: consumer c syncs, consumer c - 1 arrives) opens consumer c's
 // turn; a consumer syncs on its own before a step's products and arrives on the next one's after issuing them.
@@ -45,6 +45,13 @@
 // warps), orders the Q_i buffer: each consumer warp arrives once an item's last S product has landed, before it
 // waits for the item's last V, and the producer waits for that phase before it copies the next item's Q_i (into
 // that item's first K group). Its waits depend only on earlier steps, so the argument above holds.
+//
+// kTma (plans/wgmma.py's uses_tma_forward: dense calls whose q, k and v TMA maps can describe; TmaParams): one
+// producer thread copies everything by TMA, one cp.async.bulk.tensor per 64-column slab (the maps' 128-byte swizzle =
+// TileLayout<64>; rows past Nq/Nk and columns past d zero-filled, as copy_tile's), and the other 127 exit at once.
+// FULL_K/FULL_V then expect one arrival: that thread's expect_tx of the tile's bytes (Q_i's too on an item's first K),
+// its copies, then its arrival; the phase completes once the bytes have landed. TMA writes through the async proxy
+// wgmma reads by, so no proxy fence and no publish chain; EMPTY and Q_EMPTY keep their counts and meaning.
 //
 // Not taken (plans/wgmma.py's ws_unsupported; the lockstep kernel runs them): staged mask/bias tiles
 // (score_tile.cuh). User snippets and block masks run here as the other policies do (flex_policy.cuh).
@@ -113,9 +120,11 @@ struct WsItem {
 // one block an SM, and each block takes several items (virtual blocks) of the grid a plain launch would have
 // (dense_tile_coord; which ones: below), so that the producer copies the next item's Q_i and first K/V tiles while
 // the consumers finish the last one (the ring and the turns run on across items; see the top of the file).
-template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy, bool kPersistent = false>
+template <typename T, int D, int Bc, int kConsumers, int kStages, class Policy, bool kPersistent = false,
+          bool kTma = false>
 __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
-    wgmma_flash_fwd_ws(const __grid_constant__ AttentionParams p) {
+    wgmma_flash_fwd_ws(const __grid_constant__ typename KernelParams<kTma>::type kp) {
+  const AttentionParams& p = params_of(kp);
   using Regs = WsRegs<kConsumers>;
   constexpr int Br = 64 * kConsumers;
   constexpr int kSlabs = D / 64;  // 64-column slabs per tile
@@ -157,7 +166,7 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   };
 
   if (threadIdx.x == 0) {
-    ring.init(128, 4 * kConsumers);
+    ring.init(kTma ? 1 : 128, 4 * kConsumers);  // FULL: the producer's threads, or the one TMA thread
     if (kPersistent) ws::mbar_init(q_empty, 4 * kConsumers);
     ws::mbar_init_fence();
   }
@@ -166,6 +175,10 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
   if (threadIdx.x < 128) {  // the producer warpgroup
     ws::regs_dec<Regs::kProducerRegs>();
     const int tid = threadIdx.x;
+    if constexpr (kTma) {
+      if (tid != 0) return;  // (after setmaxnreg, which the whole warpgroup runs)
+      ws::tma_prefetch_map(&kp.tma_q), ws::tma_prefetch_map(&kp.tma_k), ws::tma_prefetch_map(&kp.tma_v);
+    }
     int t0 = 0, started = 0;  // the ring index of the item's first tile; items with key tiles begun
     for (int k = 0; k < rounds; ++k) {
       const int g = item_of_round(k);
@@ -180,6 +193,32 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
       // Q_i rides in K_0's group (whose FULL barrier the consumers wait for first), once the last item's S products
       // have read the one before it.
       if (kPersistent && started > 0) ws::mbar_wait(q_empty, (started - 1) & 1);
+      if constexpr (kTma) {  // dense: the maps' rows are the sequences' (q_row0 = k_row0 = 0)
+        for (int t = 0; t < n_tiles; ++t) {
+          const int j0 = (it.kt.end - 1 - t) * Bc;
+          const int r = t0 + t;
+          const uint32_t slot_off = ring.slot(r) * kTileBytesK;
+          ws::mbar_wait(ring.empty_k(r), ring.refill_parity(r));
+          const uint32_t full_k = ring.full_k(r);
+          ws::mbar_expect_tx(full_k, kTileBytesK + (t == 0 ? Br * D * 2 : 0));  // whole boxes, zero-filled or not
+#pragma unroll
+          for (int sl = 0; sl < kSlabs; ++sl) {
+            if (t == 0) ws::tma_load_4d(sQ_u + sl * Br * 128, &kp.tma_q, 64 * sl, it.q0, it.h, it.b, full_k);
+            ws::tma_load_4d(sK_u + slot_off + sl * Bc * 128, &kp.tma_k, 64 * sl, j0, hk, it.b, full_k);
+          }
+          ws::mbar_arrive(full_k);
+          ws::mbar_wait(ring.empty_v(r), ring.refill_parity(r));
+          const uint32_t full_v = ring.full_v(r);
+          ws::mbar_expect_tx(full_v, kTileBytesK);
+#pragma unroll
+          for (int sl = 0; sl < kSlabs; ++sl)
+            ws::tma_load_4d(sV_u + slot_off + sl * Bc * 128, &kp.tma_v, 64 * sl, j0, hk, it.b, full_v);
+          ws::mbar_arrive(full_v);
+        }
+        t0 += n_tiles;
+        ++started;
+        continue;
+      }
       copy_tile<T, Br, kSlabs>(sQ_u, gQ, p.q_s.n, seq.nq - it.q0, p.d, tid);
       for (int t = 0; t < n_tiles; ++t) {
         const int j0 = (it.kt.end - 1 - t) * Bc;
@@ -198,7 +237,7 @@ __global__ void __launch_bounds__(WsRegs<kConsumers>::kThreads, 1)
       t0 += n_tiles;
       ++started;
     }
-    if (t0 > 0) publish<0>(ring.full_v(t0 - 1));
+    if (!kTma && t0 > 0) publish<0>(ring.full_v(t0 - 1));
     return;  // the producer's registers never meet the consumers' code
   }
 

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + line)
     if limits.compute_capability == 90:
         print("  " + wgmma_backward_copies(probe_driver=not args.device))
+        print("  " + wgmma_forward_copies())
     return 0
 
 
@@ -165,6 +166,17 @@ def wgmma_backward_copies(probe_driver: bool = True) -> str:
         found = _try(lambda: tensor_map.driver_functions() and "found")
         line += f" (libcuda's TMA encoder: {found})"
     return line
+
+
+def wgmma_forward_copies() -> str:
+    """How the warp-specialised wgmma forward's producer copies Q_i/K_t/V_t (plans.wgmma.TMA_FORWARD,
+    uses_tma_forward)."""
+    from .plans import wgmma
+
+    if not wgmma.TMA_FORWARD:
+        return "wgmma ws forward: the producer copies Q_i/K_t/V_t by cp.async (plans.wgmma.TMA_FORWARD off)"
+    return "wgmma ws forward: the producer copies Q_i/K_t/V_t by TMA on dense calls with 16-byte strides, else by " \
+           "cp.async"
 
 
 if __name__ == "__main__":

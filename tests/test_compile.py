@@ -260,8 +260,9 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
     """User-snippet policies (issue 17 part 3): per family and kernel, its first bfloat16 configuration (float32 for
     the portable family) with one of two policies, alternating: Causal narrowed by a block mask with the snippets
     on plain scores (FlexMask + FlexScore<ScoreFns>), and Window with the snippets on softcap/ALiBi; then a mask alone
-    with a block mask in three kernels, without and with its bits, and the wgmma D=64 backward with them (lockstep
-    and with the loader, copying by cp.async or TMA). 16 instantiations (about 120 CPU-seconds of NVRTC), for sm_80
+    with a block mask in three kernels, without and with its bits (the ws forward copying by cp.async or TMA), and
+    the wgmma D=64 backward with them (lockstep and with the loader, copying by cp.async or TMA). 19 instantiations
+    (about 130 CPU-seconds of NVRTC), for sm_80
     (sm_90a for wgmma). Their sources are generated (``_compile`` registers them per process)."""
     from cupyflash import flex
     from cupyflash.kernels import mma, portable, wgmma
@@ -299,6 +300,8 @@ def flex_jobs() -> list[tuple[str, str, str, str]]:
             names = [config.name("__nv_bfloat16", causal)]
             if isinstance(config, wgmma_plans.BackwardConfig):  # and with the loader warpgroup, as the plans launch it
                 names += [config.name("__nv_bfloat16", causal, loader=True, tma=tma) for tma in (False, True)]
+            elif isinstance(config, wgmma_plans.ForwardConfig) and config.ws:  # and by TMA (kTma), as on dense calls
+                names.append(config.name("__nv_bfloat16", causal, tma=True))
             jobs += [(fam.NAME, f"{source}#flex-{mask_only.key}", name, ARCHS[fam.NAME][0]) for name in names]
     return jobs
 
@@ -314,8 +317,8 @@ def dropout_representatives() -> list[tuple[str, str, str]]:
     D = 128, mma float16 D = 128 (the 2-D backward): forward and every backward kernel: 34 jobs, about
     4 CPU-minutes of NVRTC (measured: 48 such jobs took 196 s on 2 busy cores), most of it the 8 mma ones.
     The warp-specialised wgmma forward (sm_90a only; its consumers draw the keep bits unrolled): both dropout
-    policies at D = 64 and 128, bfloat16: 4 jobs. The wgmma backward as an H100's plans pick it (plain dropout with
-    the keep-bit drawer, softcap's without): 4 jobs."""
+    policies at D = 64 and 128, bfloat16, copying by cp.async and by TMA: 8 jobs. The wgmma backward as an H100's
+    plans pick it (plain dropout with the keep-bit drawer, softcap's without): 4 jobs."""
     from cupyflash.plans import mma as pm
     from cupyflash.plans import portable as pp
     from cupyflash.plans import H100
@@ -330,8 +333,9 @@ def dropout_representatives() -> list[tuple[str, str, str]]:
     for ct, d, pol in (("__nv_bfloat16", 64, plain), ("__half", 128, mixed)):
         out.append(("mma", pm.FORWARD_SOURCE, pm.FORWARD_CONFIGS[d].name(ct, pol)))
         out.append(("mma", pm.BACKWARD_SOURCE, pm.BACKWARD_CONFIGS[d].name(ct, pol)))
-    for cfg in pw.WS_FORWARD_CONFIGS.values():
-        out += [("wgmma", cfg.source, cfg.name("__nv_bfloat16", pol)) for pol in (plain, mixed)]
+    for cfg in pw.WS_FORWARD_CONFIGS.values():  # copying by cp.async and by TMA (kTma, the plans' default)
+        out += [("wgmma", cfg.source, cfg.name("__nv_bfloat16", pol, tma)) for pol in (plain, mixed)
+                for tma in (False, True)]
     for d in pw.BACKWARD_CONFIGS:  # the backward as the plans pick it: plain dropout with the keep-bit drawer
         for v in DROPOUT:
             out.append(("wgmma", pw.BACKWARD_SOURCE, pw.plan_backward(1, 1, 1, 4096, 4096, d, "__nv_bfloat16", H100,
@@ -438,7 +442,18 @@ LOADER_SUFFIX = ", false, false, true>"  # kOwnDQ, kDrawer, kLoader
 TMA_SUFFIX = ", false, false, true, true>"  # ... and kTma
 
 
+#: The ws forward with its producer's copies by TMA (kTma, plans.wgmma.uses_tma_forward; TmaParams, 128-byte aligned):
+#: spill-free but D = 64 Causal + ModScore (softcap and ALiBi at the 160-register consumers), 8/8 B (8 B stack) with
+#: NVRTC 13.5 and 13.0 where its cp.async form has none: the consumers' 64-bit head index, stored once before the key
+#: loop and reloaded for the epilogue (SASS: one STL.64, one LDL.64 an item; ptxas allocates the 128-byte aligned
+#: parameter's reads differently).
+WS_TMA_ALLOWANCE = {f"wgmma_flash_fwd_ws<{ct}, 64, 128, 3, 4, cupyflash::Policy<cupyflash::Causal, cupyflash::ModScore>"
+                    ", false, true>": 8 for ct in ("__half", "__nv_bfloat16")}  # fmt: skip
+
+
 def allowance(name: str, arch: str) -> int:
+    if name in WS_TMA_ALLOWANCE:
+        return WS_TMA_ALLOWANCE[name]
     loader = 0
     if name.endswith((LOADER_SUFFIX, TMA_SUFFIX)):
         alibi_d64 = ", 64, 128, 2, 2," in name and "AlibiScore>" in name

@@ -107,7 +107,12 @@ def _all_attention_instantiations():
     return by_source
 
 
-TMA_SUFFIX = ", true, true>"  # the wgmma backward's kLoader, kTma: it takes TmaParams
+def _takes_tma_params(name: str) -> bool:
+    """The kernels that copy by TMA take TmaParams: the wgmma backward's kLoader, kTma and the ws forward's kTma
+    (after kPersistent)."""
+    if name.startswith("wgmma_flash_fwd_ws<"):
+        return name.rsplit(">, ", 1)[-1] in ("false, true>", "true, true>")
+    return name.startswith("wgmma_flash_bwd<") and name.endswith(", true, true>")
 
 
 @pytest.mark.parametrize("source", sorted(_all_attention_instantiations()))
@@ -116,13 +121,13 @@ def test_every_attention_kernel_takes_one_params_struct(source):
 
     every = _all_attention_instantiations()[source]
     # the parameter list is the same for every instantiation: the first few, and the first that copies by TMA
-    names = every[:6] + [n for n in every if n.endswith(TMA_SUFFIX)][:1]
+    names = every[:6] + [n for n in every if _takes_tma_params(n)][:1]
     ptx, lowered = _ptx(source, names)
     for name in names:
         head = ptx[ptx.index(f".entry {lowered[name]}(") :]
         head = head[: head.index(")")]
         params = re.findall(r"\.param \.align (\d+) \.b8 \w+\[(\d+)\]|\.param \.\w+ \w+", head)
-        if name.endswith(TMA_SUFFIX):  # TmaParams: the maps want 64-byte alignment in the parameter space
+        if _takes_tma_params(name):  # TmaParams: the maps want 64-byte alignment in the parameter space
             assert len(params) == 1 and int(params[0][1]) == TMA_PARAMS.itemsize, f"{name}: {head}"
             assert int(params[0][0]) >= 64, f"{name}: {head}"
         else:  # AttentionParams keeps its 8-byte alignment (ptxas loads its fields so in every kernel)
@@ -173,6 +178,9 @@ def planned(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
     monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, value, nbytes, stream: None)
     monkeypatch.setattr(plans.DeviceLimits, "current", classmethod(lambda cls: plans.H100))
+    from cupyflash.kernels import tensor_map  # TMA maps (the ws forward's): encoded by a stand-in for libcuda
+
+    monkeypatch.setattr(tensor_map, "driver_functions", lambda: ((lambda *args: 0), (lambda *args: 0)))
     return seen
 
 
@@ -191,7 +199,7 @@ def _problem(dtype, causal=True):
 def test_planned_launches_are_listed_instantiations(planned, family_name, dtype, causal):
     from cupyflash import _dtypes
     from cupyflash.kernels import dispatch
-    from cupyflash.kernels.params import PARAMS
+    from cupyflash.kernels.params import PARAMS, TMA_PARAMS
 
     dt = _dtypes.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     fam = dispatch.families()[family_name]
@@ -201,14 +209,16 @@ def test_planned_launches_are_listed_instantiations(planned, family_name, dtype,
     fam.backward(o, q, k, v, o, lse, _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), p)
     listed = set(fam.instantiations()) | set(dispatch.families()["mma"].instantiations())
     assert planned
-    own = [plan.name for plan, _ in planned if plan.name.endswith(", true>")]  # kOwnDQ: Nk = 40 is one key tile
+    # kOwnDQ: Nk = 40 is one key tile (a backward's last flag; the ws forward's kTma ends its name alike)
+    own = [plan.name for plan, _ in planned if plan.name.endswith(", true>") and "_bwd" in plan.name]
     assert own if family_name != "portable" else not own
     for plan, params in planned:
         listed_name = plan.name[: -len(", true>")] + ">" if plan.name in own else plan.name  # its kOwnDQ = false form
         assert (plan.source, listed_name) in listed, plan.name
-        assert len(params) == PARAMS.itemsize
+        assert len(params) == (TMA_PARAMS.itemsize if plan.tensor_maps else PARAMS.itemsize)
+        assert bool(plan.tensor_maps) == _takes_tma_params(plan.name)
         assert p.variant.cpp_policy in plan.name or "<" + plan.name.split("<")[1].split(",")[0] in plan.name
-        record = np.frombuffer(params, PARAMS)[0]
+        record = np.frombuffer(params[: PARAMS.itemsize], PARAMS)[0]  # (TmaParams: AttentionParams first)
         assert record["q"] == q.ctypes.data and record["nq"] == 33 and record["nk"] == 40
         assert record["hq"] == 4 and record["hk"] == 2 and record["group"] == 2 and record["d"] == 64
         assert np.isclose(record["scale"], 1 / 8)

@@ -175,9 +175,13 @@ def test_instantiations_cover_every_config_once():
     # and the persistent ws forwards of the windows bounded on both sides
     persistent = len(plans.WS_FORWARD_CONFIGS) * sum(plans.persistent_by_default(v, False) for v in BUILTIN)
     assert persistent == 4
-    # every loader kernel twice: copying by cp.async and by TMA (kTma)
-    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * n_configs + 2 * loaders + persistent)
-    assert sum(name.endswith(", true, true>") for _, name in inst) == 2 * loaders
+    # every loader kernel twice: copying by cp.async and by TMA (kTma); every ws forward too (its producer's kTma)
+    ws = len(plans.WS_FORWARD_CONFIGS)
+    assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * (n_configs + ws) + 2 * loaders + 2 * persistent)
+    assert sum(src == plans.BACKWARD_SOURCE and name.endswith(", true, true>") for src, name in inst) == 2 * loaders
+    ws_tma = [name for src, name in inst if src == plans.FORWARD_WS_SOURCE and name.endswith(", true>")
+              and name.rsplit(">, ", 1)[1] in ("false, true>", "true, true>")]  # fmt: skip
+    assert len(ws_tma) == 2 * (len(BUILTIN) * ws + persistent)
     assert {src for src, _ in inst} == {plans.FORWARD_SOURCE, plans.FORWARD_WS_SOURCE, plans.BACKWARD_SOURCE}
     from cupyflash.kernels.build import ARCH_SPECIFIC
 

@@ -1,6 +1,6 @@
-"""The wgmma backward's TMA path (kTma) on the CPU: the maps of (B, H, N, d) views, when the plan takes it, and what
-a call writes into the kernel's TmaParams, with CuPy's device calls faked (benchmarks/dev_host_fake.py) and the
-driver's encoder replaced by a recorder (no GPU, no libcuda).
+"""The wgmma backward's and ws forward's TMA paths (kTma) on the CPU: the maps of (B, H, N, d) views, when the plans
+take them, and what a call writes into the kernel's TmaParams, with CuPy's device calls faked
+(benchmarks/dev_host_fake.py) and the driver's encoder replaced by a recorder (no GPU, no libcuda).
 """
 from __future__ import annotations
 
@@ -248,3 +248,129 @@ def test_sub_batches_map_their_own_addresses(driver):
         sub = 5 * h * n * d * 2  # bytes between the two sub-batches
         assert [(c[0], c[2]) for c in driver.calls] == [("encode", q.data.ptr), ("encode", do.data.ptr),
                                                         ("replace", q.data.ptr + sub), ("replace", do.data.ptr + sub)]
+
+
+# ---------------------------------------------------------------------------- the ws forward's producer (kTma)
+
+
+def _fwd_maps(br: int, bc: int, hq: int = 8, hk: int = 8, nq: int = 4096, nk: int = 4096, d: int = 128):
+    def view(name, h, n, rows):
+        return tensor_map.view_spec(name, "__nv_bfloat16", 2, 1, h, n, d, (h * n * d, n * d, d), rows)
+
+    return (view("q", hq, nq, br), view("k", hk, nk, bc), view("v", hk, nk, bc))
+
+
+def _fwd_plan(d, variant=Variant(), nq=4096, **kw):
+    def maps(cfg):
+        return _fwd_maps(cfg.br, cfg.bc, nq=nq, d=d)
+
+    return plans.plan_forward(1, 8, nq, d, "__nv_bfloat16", H100, variant=variant, maps=maps, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", [Variant(), Variant(causal=True), Variant(causal=True, window=(1023, 0)),
+                                     Variant(softcap=30.0), Variant(causal=True, flex=None, dropout=0.1)])  # fmt: skip
+def test_the_ws_forward_copies_by_tma_where_maps_come(d, variant):
+    cfg = plans.WS_FORWARD_CONFIGS[d]
+    plan = _fwd_plan(d, variant)
+    assert plan.config.ws and plan.main.tensor_maps == _fwd_maps(cfg.br, cfg.bc, d=d)
+    assert plan.main.name.endswith(", true, true>" if plan.config.persistent else ", false, true>")
+    q, k, v = plan.main.tensor_maps
+    assert q.box == (64, cfg.br, 1, 1) and k.box == v.box == (64, cfg.bc, 1, 1)
+    plain = plans.plan_forward(1, 8, 4096, d, "__nv_bfloat16", H100, variant=variant)  # no maps: cp.async
+    assert plain.main.tensor_maps == () and plain.main.name == plan.main.name.rsplit(", ", 2)[0] + (
+        ", true>" if plan.config.persistent else ">")
+    assert (plain.main.grid, plain.main.block, plain.main.shared_bytes) == (plan.main.grid, plan.main.block,
+                                                                            plan.main.shared_bytes)  # fmt: skip
+
+
+def test_no_tma_forward_on_the_lockstep_kernel_or_when_turned_off(monkeypatch):
+    lockstep = _fwd_plan(64, Variant(causal=True), nq=1024)  # D = 64 causal, short: the lockstep kernel
+    assert not lockstep.config.ws and lockstep.main.tensor_maps == ()
+    arrays = _fwd_plan(128, Variant(bias="__nv_bfloat16"))  # staged bias tiles: lockstep
+    assert not arrays.config.ws and arrays.main.tensor_maps == ()
+    no_maps = plans.plan_forward(1, 8, 4096, 128, "__nv_bfloat16", H100, maps=lambda cfg: "varlen")
+    assert no_maps.main.tensor_maps == () and no_maps.main.name.endswith("PlainScore>>")
+    monkeypatch.setattr(plans, "TMA_FORWARD", False)
+    off = _fwd_plan(128)
+    assert off.config.ws and off.main.tensor_maps == () and off.main.name.endswith("PlainScore>>")
+    with pytest.raises(ValueError, match="kTma needs ws"):
+        plans.FORWARD_CONFIGS[64].name("__half", "P", tma=True)
+
+
+class FwdDevice(Device):
+    """The ws forward's one launch: TmaParams where it copies by TMA."""
+
+    def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra) -> None:
+        FakeDevice.launch(self)
+        first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
+        nbytes = TMA_PARAMS.itemsize if self.tma else PARAMS.itemsize
+        if self.tma:
+            assert first % 128 == 0, "the maps' buffer is 128-byte aligned"
+        self.params.append(ctypes.string_at(first, nbytes))
+
+
+@pytest.fixture
+def fwd_driver(monkeypatch):
+    d = Driver()
+    monkeypatch.setattr(tensor_map, "driver_functions", lambda: (d.encode, d.replace))
+    cuda_backend._forward_cache.clear()
+    yield d
+    cuda_backend._forward_cache.clear()
+
+
+def _fwd_main():
+    (prep,) = {id(p): p for p in cuda_backend._forward_cache.values()}.values()
+    return prep.plan.launches[0][0]
+
+
+def test_a_forward_call_maps_q_k_v(fwd_driver):
+    """Ragged rows (1000), GQA: q's map over Hq heads with boxes of Br rows, k's and v's over Hk with Bc rows;
+    encoded once, replaced by new arrays, nothing for the same arrays again."""
+    b, hq, hk, n, d = 2, 8, 2, 1000, 128
+    with FwdDevice(tma=True) as dev:
+        q, spare = _arrays(dev, (b, hq, n, d), n=2)
+        k, v = (dev.array((b, hk, n, d), BF16, (1 << 26) * (i + 1)) for i in range(2))
+        cupyflash.attention_forward(q, k, v, causal=True)
+        main = _fwd_main()
+        assert main.name.startswith("wgmma_flash_fwd_ws<") and main.name.endswith(", false, true>")
+        cfg = plans.WS_FORWARD_CONFIGS[128]
+        mq, mk, mv = main.tensor_maps
+        assert mq.dims == (d, n, hq, b) and mq.box == (64, cfg.br, 1, 1)
+        assert mk.dims == mv.dims == (d, n, hk, b) and mk.box == (64, cfg.bc, 1, 1)
+        assert [(c[0], c[2]) for c in fwd_driver.calls] == [("encode", q.data.ptr), ("encode", k.data.ptr),
+                                                            ("encode", v.data.ptr)]  # fmt: skip
+        (params,) = dev.params
+        assert len(params) == TMA_PARAMS.itemsize
+        for name, arr in (("q", q), ("k", k), ("v", v)):
+            assert _map_bytes(params, name) == (arr.data.ptr, b"ENCODED!")
+        assert _map_bytes(params, "dout") == (0, bytes(8))  # the backward's slot stays zero
+        fwd_driver.calls.clear()
+        cupyflash.attention_forward(spare, k, v, causal=True)
+        assert [(c[0], c[2]) for c in fwd_driver.calls] == [("replace", spare.data.ptr), ("replace", k.data.ptr),
+                                                            ("replace", v.data.ptr)]  # fmt: skip
+        fwd_driver.calls.clear()
+        cupyflash.attention_forward(spare, k, v, causal=True)
+        assert fwd_driver.calls == [] and _map_bytes(dev.params[-1], "q") == (spare.data.ptr, b"REPLACED")
+
+
+def test_a_forward_of_bnhd_views_maps_their_strides(fwd_driver):
+    b, n, h, d = 2, 700, 4, 64
+    with FwdDevice(tma=True) as dev:
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in _arrays(dev, (b, n, h, d), n=3))
+        cupyflash.attention_forward(q, k, v)
+        main = _fwd_main()
+        assert main.name.endswith(", false, true>")
+        for spec in main.tensor_maps:
+            assert spec.dims == (d, n, h, b) and spec.strides == (h * d * 2, d * 2, n * h * d * 2)
+
+
+def test_a_forward_tma_cannot_map_keeps_cp_async(fwd_driver):
+    b, h, n, d = 1, 4, 512, 128
+    with FwdDevice(tma=False) as dev:
+        (q,) = _arrays(dev, (b, h, n, d), n=1)
+        kv = dev.array((b, 1, n, d), BF16, 1 << 27)
+        k = v = cupy.lib.stride_tricks.as_strided(kv, (b, h, n, d), (n * d * 2, 0, d * 2, 2))  # one head, read 4 times
+        cupyflash.attention_forward(q, k, v)
+        main = _fwd_main()
+        assert main.name.startswith("wgmma_flash_fwd_ws<") and main.tensor_maps == () and fwd_driver.calls == []

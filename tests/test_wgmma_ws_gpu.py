@@ -77,6 +77,8 @@ def _forward(config, q, k, v, p, arrays=None, seed=None):
         opts["dropout_seed"] = seed
     name = config.name(CTYPES[np.dtype(q.dtype).name], p.variant.cpp_policy)
     build.get_function(config.source, name)  # compiled before the deadline starts
+    if config.ws:  # and its producer by TMA (kTma), which the plan takes where the views have maps
+        build.get_function(config.source, config.name(CTYPES[np.dtype(q.dtype).name], p.variant.cpp_policy, True))
     wgmma.forward(q, k, v, o, lse, p, variant_arrays=arrays or {}, **opts)
     _finish(f"{name} on q {q.shape}, k {k.shape}")
     return o, lse
@@ -220,6 +222,9 @@ def _instantiations() -> set[tuple[str, str]]:
         pol = policy(causal, kw, dropout)
         out |= {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt in VARIANT_DTYPE.items()
                 for cfg in (WS[pd], LOCKSTEP[pd], replace(WS[pd], persistent=True))}  # fmt: skip
+    # the ws forwards' producer by TMA too (kTma: the plans' default on dense calls with mappable views)
+    out |= {(source, name[:-1] + (", false, true>" if name.endswith(">>") else ", true>"))
+            for source, name in out if source == plans.FORWARD_WS_SOURCE}
     return out
 
 

@@ -8,7 +8,7 @@ named barriers count arrivals (a warpgroup is one unit of the 256 threads) and c
 every interleaving ends (no deadlock); a product reads a slot only once the tile it wants has landed there and been
 published; the producer never starts copies into a slot a product is still reading; every turn barrier ends
 balanced. Keep it in step with the kernel when the protocol changes. PersistentBlock (below) models the persistent
-form (several query tiles a block; the kernel's kPersistent).
+form (several query tiles a block; the kernel's kPersistent), TmaBlock the producer by TMA (kTma).
 """
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ class Block:
 
 
 def interleave(blk: Block, rng: random.Random, what: str = "") -> None:
-    """Run the block's producer and consumers to the end, one random agent's next step at a time."""
+    """Run the block's producer and consumers to the end, one random agent's next step at a time (and the agents they
+    start on the way, ``blk.spawned``: TMA copies in flight)."""
     live = [blk.producer()] + [blk.consumer(c) for c in range(blk.consumers)]
     steps = 0
     while live:
@@ -150,6 +151,10 @@ def interleave(blk: Block, rng: random.Random, what: str = "") -> None:
             next(agent)
         except StopIteration:
             live.remove(agent)
+        spawned = getattr(blk, "spawned", None)
+        if spawned:
+            live += spawned
+            spawned.clear()
         steps += 1
         assert steps < 100_000, f"deadlock{what}"
 
@@ -407,6 +412,108 @@ def test_persistent_model_needs_each_items_last_v_released():
     run(4, 2, 2, random.Random(1))  # one item: fine either way (the model releases it; the kernel did not)
     with pytest.raises(AssertionError, match="deadlock"):
         interleave(KeepsLastV([2, 3], 2, 2), random.Random(3))
+
+
+# ---------------------------------------------------------------------------- the producer by TMA (kTma)
+
+
+class TxBarrier(MBarrier):
+    """An mbarrier with a transaction count: its phase completes once its arrivals are in and the bytes announced by
+    expect_tx have landed (complete_tx, from the TMA unit), in either order."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.tx = 0
+
+    def expect_tx(self) -> None:
+        self.tx += 1
+
+    def complete_tx(self) -> None:
+        self.tx -= 1
+        self._maybe_complete()
+
+    def arrive(self) -> None:
+        self.pending += 1
+        assert self.pending <= self.count
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        if self.pending == self.count and self.tx == 0:
+            self.completed, self.pending = self.completed + 1, 0
+
+
+class TmaBlock(PersistentBlock):
+    """The kernel's kTma form (one item or several): one producer thread waits on EMPTY (and Q_EMPTY), announces the
+    tile's bytes on FULL (expect_tx), issues its copies (agents that land whenever, then complete_tx) and arrives
+    (FULL expects that one arrival); no publish chain."""
+
+    def __init__(self, items: list[int], stages: int, consumers: int):
+        super().__init__(items, stages, consumers)
+        self.full_k = [TxBarrier(1) for _ in range(stages)]
+        self.full_v = [TxBarrier(1) for _ in range(stages)]
+        self.spawned: list = []
+
+    def _copy(self, bar: TxBarrier, land):
+        yield  # in flight
+        land()
+        bar.complete_tx()
+
+    def producer(self):
+        first = 0
+        for i, n in enumerate(self.items):
+            yield from self.q_free(i)
+            assert self.q_readers == 0, f"Q_{i} copied while Q_{i - 1} is read"
+            for t in range(first, first + n):
+                s = self.slot(t)
+                yield from wait(self.empty_k[s], self.fill_parity(t) ^ 1)
+                assert self.readers_k[s] == 0, f"K_{t} copied into a slot still read"
+                self.full_k[s].expect_tx()
+                self.k[s] = ("writing", t)
+                if t == first:  # Q_i on the item's first K's FULL
+                    self.q = ("writing", i)
+                    self.spawned.append(self._copy(self.full_k[s], lambda i=i: setattr(self, "q", ("ready", i))))
+                    self.full_k[s].expect_tx()
+                self.spawned.append(self._copy(self.full_k[s], lambda s=s, t=t: self.k.__setitem__(s, ("ready", t))))
+                self.full_k[s].arrive()
+                yield
+                yield from wait(self.empty_v[s], self.fill_parity(t) ^ 1)
+                assert self.readers_v[s] == 0, f"V_{t} copied into a slot still read"
+                self.full_v[s].expect_tx()
+                self.v[s] = ("writing", t)
+                self.spawned.append(self._copy(self.full_v[s], lambda s=s, t=t: self.v.__setitem__(s, ("ready", t))))
+                self.full_v[s].arrive()
+                yield
+            first += n
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_tma_protocol_ends_and_orders_every_interleaving(stages, consumers):
+    """The kTma producer (one item a block, or persistent items of random tile counts): no deadlock, nothing read
+    before its bytes landed, no slot or Q overwritten while read, every turn barrier balanced."""
+    rng = random.Random(9000 + 10 * stages + consumers)
+    for k in range(300):
+        items = [rng.randint(0, 9)] if k % 2 else [rng.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 5))]
+        blk = TmaBlock(items, stages, consumers)
+        interleave(blk, rng, f": items={items}, stages={stages}, consumers={consumers}")
+        assert all(b.arrived == 0 for b in blk.turn), f"a turn barrier ends unbalanced: items={items}"
+        assert sum(blk.readers_k) == sum(blk.readers_v) == blk.q_readers == 0
+
+
+def test_tma_model_catches_an_arrival_that_ignores_the_bytes():
+    """The transaction count matters: a FULL that completed on the thread's arrival alone (no expect_tx) would let
+    the consumers read tiles still in flight."""
+    class NoTx(TmaBlock):
+        def __init__(self, items, stages, consumers):
+            super().__init__(items, stages, consumers)
+            for bar in self.full_k + self.full_v:
+                bar.expect_tx = lambda: None
+                bar.complete_tx = lambda: None
+
+    rng = random.Random(13)
+    with pytest.raises(AssertionError, match="read"):
+        for _ in range(300):
+            interleave(NoTx([3, 4, 2], 3, 2), rng)
 
 
 # ---------------------------------------------------------------------------- the persistent grid's item order (s25)

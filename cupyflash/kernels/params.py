@@ -94,7 +94,7 @@ _POINTER_PACK = struct.Struct("<" + "Q" * len(POINTERS))
 
 #: ``TmaParams`` (attention_params.cuh), the argument of the kernels that copy by TMA: AttentionParams at offset 0,
 #: then the TMA maps (``TensorMap``: 128 opaque bytes aligned to 128) of these pointer fields, in this order.
-TMA_MAPS: tuple[str, ...] = ("q", "dout")
+TMA_MAPS: tuple[str, ...] = ("q", "dout", "k", "v")  # the backward maps q and dout, the ws forward q, k and v
 TENSOR_MAP_BYTES = TENSOR_MAP_ALIGN = 128
 _FIRST_MAP = -(-PARAMS.itemsize // TENSOR_MAP_ALIGN) * TENSOR_MAP_ALIGN
 TMA_PARAMS = np.dtype({"names": ["p", *(f"tma_{n}" for n in TMA_MAPS)],

@@ -41,7 +41,8 @@ def forward_plan(
 ) -> CallPlan:
     """``config`` overrides the tile configuration (benchmarks and tests of other variants)."""
     plan = plans.plan_forward(g.batch, p.hq, p.nq, p.d, ctype(p), limits, config, p.variant,
-                              total=p.total_q if p.varlen else None)  # fmt: skip
+                              total=p.total_q if p.varlen else None,
+                              maps=lambda cfg: forward_tma_maps(p, g, cfg.br, cfg.bc))  # fmt: skip
     return forward_call(plan, p, g)
 
 
@@ -61,13 +62,25 @@ def tma_maps(p: AttentionProblem, g: Geometry, rows: int) -> tuple[TensorMapSpec
     """The TMA maps of q and dout (boxes of ``rows`` rows) for the backward's loader (``plans.wgmma.uses_tma``), or
     why the call's views have none: packed (varlen) rows, a row, head or batch stride that is not a positive multiple
     of 16 bytes, or a base or sub-batch address off 16 bytes."""
+    return _view_maps(p, g, (("q", p.hq, p.nq, rows), ("dout", p.hq, p.nq, rows)))
+
+
+def forward_tma_maps(p: AttentionProblem, g: Geometry, br: int, bc: int) -> tuple[TensorMapSpec, ...] | str:
+    """The TMA maps of q (boxes of ``br`` rows), k and v (``bc`` rows) for the ws forward's producer
+    (``plans.wgmma.uses_tma_forward``), or why the call's views have none (as ``tma_maps``)."""
+    return _view_maps(p, g, (("q", p.hq, p.nq, br), ("k", p.hk, p.nk, bc), ("v", p.hk, p.nk, bc)))
+
+
+def _view_maps(p: AttentionProblem, g: Geometry, views: tuple[tuple[str, int, int, int], ...]
+               ) -> tuple[TensorMapSpec, ...] | str:  # fmt: skip
+    """The maps of (pointer, heads, rows of the sequence, rows of a box) views, or why there are none."""
     if p.varlen:
         return "varlen: packed sequences (the maps are of dense (B, H, N, D) views)"
-    if not g.aligned or any(off.get(n, 0) % 16 for off in g.offsets for n in ("q", "dout")):
+    if not g.aligned or any(off.get(n, 0) % 16 for off in g.offsets for n, *_ in views):
         return "rows not 16-byte aligned"
     out = []
-    for name in ("q", "dout"):
-        spec = view_spec(name, ctype(p), np.dtype(p.dtype).itemsize, g.batch, p.hq, p.nq, p.d, g.strides[name], rows)
+    for name, heads, n, rows in views:
+        spec = view_spec(name, ctype(p), np.dtype(p.dtype).itemsize, g.batch, heads, n, p.d, g.strides[name], rows)
         if isinstance(spec, str):
             return f"{name}: {spec}"
         out.append(spec)

@@ -6,6 +6,7 @@ heads of 32 or fewer stay with the mma family, where padding to 64 would double 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..variants import BUILTIN, Variant
 from . import DeviceLimits, LaunchPlan, cdiv, grid_axes
@@ -72,9 +73,15 @@ class ForwardConfig:
         barriers = (4 * self.stages + self.persistent) * 8 if self.ws else 0
         return (self.br + 2 * self.stages * self.bc) * self.d * _ELEM + barriers + _ALIGN_SLACK
 
-    def name(self, ctype: str, policy: str) -> str:
+    def name(self, ctype: str, policy: str, tma: bool = False) -> str:
+        if tma and not self.ws:
+            raise ValueError("TMA copies are the ws forward's producer's (kTma needs ws)")
         if self.ws:
-            tail = ", true" if self.persistent else ""
+            # kPersistent, kTma: trailing defaults (false) left out
+            flags = [self.persistent, tma]
+            while flags and not flags[-1]:
+                flags.pop()
+            tail = "".join(f", {'true' if f else 'false'}" for f in flags)
             return f"wgmma_flash_fwd_ws<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {policy}{tail}>"
         return (
             f"wgmma_flash_fwd<{ctype}, {self.d}, {self.bc}, {self.warpgroups}, {self.stages}, {self.min_blocks}, "
@@ -203,11 +210,26 @@ def _heads_first(longest_first: bool, heads: int, sm_count: int, tiles: int = 1)
     return (longest_first and heads <= sm_count // 2) or heads > MAX_GRID_Y
 
 
+#: The ws forward's producer by TMA (kTma, cuda_src/wgmma_forward_ws.cu): one thread's cp.async.bulk.tensor per
+#: 64-column slab of Q_i, K_t and V_t instead of 128 threads' cp.async and their wait/fence/arrive chain. Wherever the
+#: ws forward runs (persistent or not) and the call's q, k and v have TMA maps (``kernels.wgmma.forward_tma_maps``:
+#: dense, 16-byte strides). False: the producer copies with cp.async (tests and A/B scripts).
+TMA_FORWARD = True
+
+
+def uses_tma_forward(cfg: ForwardConfig, maps: tuple) -> bool:
+    """Does the ws forward's producer copy by TMA? Where it runs and the call came with maps of q, k and v."""
+    return TMA_FORWARD and cfg.ws and len(maps) == 3
+
+
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
     config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
+    maps: Callable[[ForwardConfig], tuple | str] | None = None,
 ) -> ForwardPlan:  # fmt: skip
-    """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks."""
+    """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks. ``maps``: the TMA maps
+    of q, k and v for the call's views and a configuration's boxes (Br and Bc rows), or why there are none
+    (``uses_tma_forward``: the ws forward then copies by TMA and carries them)."""
     cfg = config or forward_config(d, limits, variant, ws=False if lockstep_by_default(d, nq, variant) else None)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
@@ -223,7 +245,11 @@ def plan_forward(
     if cfg.persistent:  # blocks walk the grid above (dense_tile_coord)
         grid = (min(heads * tiles, limits.sm_count), 1, 1)
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, 2, cfg.shared_bytes, limits)  # slots: tiles t, t + 1
-    main = LaunchPlan(cfg.source, cfg.name(ctype, policy), grid, (cfg.threads, 1, 1), smem, max_carveout=True)
+    specs = maps(cfg) if maps is not None and cfg.ws else ()
+    specs = specs if isinstance(specs, tuple) else ()
+    tma = uses_tma_forward(cfg, specs)
+    main = LaunchPlan(cfg.source, cfg.name(ctype, policy, tma), grid, (cfg.threads, 1, 1), smem, max_carveout=True,
+                      tensor_maps=specs if tma else ())  # fmt: skip
     return ForwardPlan(cfg, main, on_x)
 
 
@@ -366,16 +392,18 @@ def plan_backward(
 
 def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), variants: tuple[Variant, ...] = BUILTIN
                    ) -> list[tuple[str, str]]:  # fmt: skip
-    """The forward (lockstep and warp-specialised) and backward main kernels (the backward's helpers are the mma
-    family's; lockstep, and with the loader where ``uses_loader`` gives it one, copying by cp.async or by TMA), with
-    the policies of ``variants``."""
+    """The forward (lockstep and warp-specialised, the latter copying by cp.async or by TMA) and backward main
+    kernels (the backward's helpers are the mma family's; lockstep, and with the loader where ``uses_loader`` gives it
+    one, copying by cp.async or by TMA), with the policies of ``variants``."""
     out: list[tuple[str, str]] = []
     for ct in ctypes:
         for v in variants:
             pol = v.cpp_policy
             out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
+            out += [(c.source, c.name(ct, pol, tma=True)) for c in WS_FORWARD_CONFIGS.values()]
             if persistent_by_default(v, varlen=False):
-                out += [(c.source, replace(c, persistent=True).name(ct, pol)) for c in WS_FORWARD_CONFIGS.values()]
+                out += [(c.source, replace(c, persistent=True).name(ct, pol, tma)) for c in WS_FORWARD_CONFIGS.values()
+                        for tma in (False, True)]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True, tma=tma)) for c in BACKWARD_CONFIGS.values()
                     for tma in (False, True) if uses_loader(c.d, v, own=False)]
