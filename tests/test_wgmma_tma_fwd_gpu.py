@@ -20,6 +20,8 @@ import pytest
 
 from conftest import DTYPES, HAS_GPU, TOL_OUT, rel_err, requires_gpu
 from test_varlen_gpu import poison_pool
+from test_wgmma_loader_gpu import _keywords
+from test_wgmma_tma_gpu import _array
 
 import cupyflash
 from cupyflash import reference
@@ -50,13 +52,6 @@ CASES = [
 ]
 
 
-def _array(x: np.ndarray, layout: str):
-    """x (B, H, N, D) on the device, contiguous or as a (B, N, H, D) array seen through a transpose."""
-    if layout == "bhnd":
-        return cupy.asarray(x)
-    return cupy.ascontiguousarray(cupy.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-
-
 def _main_kernels() -> list:
     from cupyflash import cuda_backend
 
@@ -77,10 +72,7 @@ def test_tma_and_cp_async_producers_agree(case, rng, monkeypatch):
     dt = DTYPES[dtype]
     host = [rng.standard_normal(s).astype(dt) for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, d))]
     q, k, v = (_array(x, layout) for x in host)
-    call, ref_kw = dict(kw), dict(kw)
-    if kw.get("alibi_slopes"):
-        slopes = rng.uniform(0.01, 0.5, hq).astype(np.float32)
-        call["alibi_slopes"], ref_kw["alibi_slopes"] = cupy.asarray(slopes), slopes
+    call, ref_kw = _keywords(kw, b, hq, nq, nk, rng)
     monkeypatch.setattr(plans, "lockstep_by_default", lambda *args: False)  # the ws forward for every case
     out = {}
     for tma in (True, False):
