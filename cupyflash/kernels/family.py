@@ -18,6 +18,7 @@ a plan depends on array contents or addresses, only on shapes, strides, dtypes a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import operator
 import sys
 import threading
 from typing import Any, Callable, Protocol, Sequence
@@ -208,8 +209,8 @@ class Runner:
         offsets = g.offsets
         single = len(offsets) == 1 and not any(offsets[0].values())
         self._shifts = None if single else tuple(tuple(off.get(n, 0) for n in packer.names) for off in offsets)
-        # Per launch, where its TMA maps' addresses are among the packed values (None: a launch without maps).
-        self._maps = tuple(None if launch.maps is None else _map_indices(launch, packer.names)
+        # Per launch, the getter of its TMA maps' addresses from the packed values (None: a launch without maps).
+        self._maps = tuple(None if launch.maps is None else _map_getter(launch, packer.names)
                            for launch in self.launches)  # fmt: skip
         if not any(self._maps):
             self._maps = None
@@ -238,7 +239,7 @@ class Runner:
                 for launch, at in zip(launches, self._maps):
                     pack(launch.buffer, 0, *values)
                     if at is not None:  # TMA maps of the arrays
-                        launch.maps([values[i] for i in at])
+                        launch.maps(at(values))
                     launch.fire(stream)
                 return
             maps = self._maps or (None,) * len(launches)
@@ -249,7 +250,7 @@ class Runner:
                 for launch, at in zip(launches, maps):
                     pack(launch.buffer, 0, *shifted)
                     if at is not None:  # TMA maps of this sub-batch's arrays
-                        launch.maps([shifted[i] for i in at])
+                        launch.maps(at(shifted))
                     if dropout_seed is not None:
                         write_dropout(launch.buffer, dropout_seed, i * self.batch)
                     elif len(self.offsets) > 1:  # user snippets see the global batch index too
@@ -258,12 +259,13 @@ class Runner:
         del memory
 
 
-def _map_indices(launch: build.Launch, names: tuple[str, ...]) -> tuple[int, ...]:
-    """Where the arrays of ``launch``'s TMA maps are among a runner's packed pointer values (``names``' order)."""
+def _map_getter(launch: build.Launch, names: tuple[str, ...]) -> Callable[[Sequence[int]], tuple[int, ...]]:
+    """The addresses of ``launch``'s TMA maps, as a tuple, from a runner's packed pointer values (``names``' order)."""
     missing = [s.pointer for s in launch.maps.specs if s.pointer not in names]
     if missing:
         raise ValueError(f"{launch.plan.name} maps {missing} by TMA, which the call does not pass")
-    return tuple(names.index(s.pointer) for s in launch.maps.specs)
+    at = [names.index(s.pointer) for s in launch.maps.specs]
+    return operator.itemgetter(*at) if len(at) > 1 else lambda values: (values[at[0]],)
 
 
 def run(plan: CallPlan, g: Geometry, pointers: dict[str, int], dropout_seed: int | None = None) -> None:

@@ -111,7 +111,8 @@ class MapWriter:
         """The maps of ``specs`` with these array addresses (one per spec, in order; 16-byte aligned). Maps that
         already hold them are left as they are (a loop over the same arrays, or the pool handing back the same
         blocks, costs no driver call)."""
-        addresses = tuple(addresses)
+        if type(addresses) is not tuple:
+            addresses = tuple(addresses)
         if addresses == self._last:
             return
         encode, replace = driver_functions()
