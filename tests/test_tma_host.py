@@ -68,10 +68,15 @@ def _maps(rows: int = 64):
                  for n in ("q", "dout"))  # fmt: skip
 
 
+def _maps_for(cfg) -> tuple:
+    """plan_backward's ``maps``: the maps of _maps whatever the configuration (D = 128's Br = 64 rows)."""
+    return _maps(cfg.br)
+
+
 @pytest.mark.parametrize("variant", [Variant(), Variant(causal=True), Variant(causal=True, window=(1024, 0)),
                                      Variant(causal=True, alibi=True), Variant(softcap=30.0)])  # fmt: skip
 def test_the_loader_copies_by_tma_where_maps_come(variant):
-    plan = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=variant, maps=_maps())
+    plan = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=variant, maps=_maps_for)
     assert plan.main.name.endswith(", false, false, true, true>") and plan.main.tensor_maps == _maps()
     assert plan.main.block == (384, 1, 1)
     plain = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=variant)
@@ -81,12 +86,12 @@ def test_the_loader_copies_by_tma_where_maps_come(variant):
 
 def test_no_tma_without_the_loader_or_when_turned_off(monkeypatch):
     dropout = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, variant=Variant(dropout=0.1),
-                                  maps=_maps())  # fmt: skip
+                                  maps=_maps_for)  # fmt: skip
     assert dropout.main.tensor_maps == () and dropout.main.name.endswith(", false, true>")  # the drawer
-    own = plans.plan_backward(1, 8, 8, 128, 128, 128, "__nv_bfloat16", H100, maps=_maps())  # one key tile: kOwnDQ
+    own = plans.plan_backward(1, 8, 8, 128, 128, 128, "__nv_bfloat16", H100, maps=_maps_for)  # one key tile: kOwnDQ
     assert own.own_dq and own.main.tensor_maps == ()
     monkeypatch.setattr(plans, "TMA", False)
-    off = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, maps=_maps())
+    off = plans.plan_backward(1, 8, 8, 4096, 4096, 128, "__nv_bfloat16", H100, maps=_maps_for)
     assert off.main.name.endswith(", false, false, true>") and off.main.tensor_maps == ()
     with pytest.raises(ValueError, match="kTma needs kLoader"):
         plans.BACKWARD_CONFIGS[64].name("__half", "P", tma=True)
@@ -125,19 +130,28 @@ class Device(FakeDevice):
     def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra) -> None:
         super().launch()
         first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
-        nbytes = TMA_PARAMS.itemsize if self.tma and bx == 384 else PARAMS.itemsize
-        if nbytes == TMA_PARAMS.itemsize:
+        maps = self.takes_maps(bx)
+        if maps:
             assert first % 128 == 0, "the maps' buffer is 128-byte aligned"
-        self.params.append(ctypes.string_at(first, nbytes))
+        self.params.append(ctypes.string_at(first, TMA_PARAMS.itemsize if maps else PARAMS.itemsize))
+
+    def takes_maps(self, threads: int) -> bool:
+        """Does a launch of this many threads a block take TmaParams? The backward's main kernel (384 threads)."""
+        return self.tma and threads == 384
+
+
+def _recording(monkeypatch, cache: dict):
+    """A recording Driver in place of libcuda's, with the pass's plan cache cleared before and after the test."""
+    d = Driver()
+    monkeypatch.setattr(tensor_map, "driver_functions", lambda: (d.encode, d.replace))
+    cache.clear()
+    yield d
+    cache.clear()
 
 
 @pytest.fixture
 def driver(monkeypatch):
-    d = Driver()
-    monkeypatch.setattr(tensor_map, "driver_functions", lambda: (d.encode, d.replace))
-    cuda_backend._backward_cache.clear()
-    yield d
-    cuda_backend._backward_cache.clear()
+    yield from _recording(monkeypatch, cuda_backend._backward_cache)
 
 
 def _arrays(dev, shape, strides=None, n=6, dtype=BF16):
@@ -301,22 +315,13 @@ def test_no_tma_forward_on_the_lockstep_kernel_or_when_turned_off(monkeypatch):
 class FwdDevice(Device):
     """The ws forward's one launch: TmaParams where it copies by TMA."""
 
-    def launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra) -> None:
-        FakeDevice.launch(self)
-        first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
-        nbytes = TMA_PARAMS.itemsize if self.tma else PARAMS.itemsize
-        if self.tma:
-            assert first % 128 == 0, "the maps' buffer is 128-byte aligned"
-        self.params.append(ctypes.string_at(first, nbytes))
+    def takes_maps(self, threads: int) -> bool:
+        return self.tma
 
 
 @pytest.fixture
 def fwd_driver(monkeypatch):
-    d = Driver()
-    monkeypatch.setattr(tensor_map, "driver_functions", lambda: (d.encode, d.replace))
-    cuda_backend._forward_cache.clear()
-    yield d
-    cuda_backend._forward_cache.clear()
+    yield from _recording(monkeypatch, cuda_backend._forward_cache)
 
 
 def _fwd_main():

@@ -50,11 +50,9 @@ def backward_plan(
     p: AttentionProblem, g: Geometry, limits: DeviceLimits, config: plans.BackwardConfig | None = None,
     deterministic: bool = False,
 ) -> CallPlan:
-    cfg = config or plans.backward_config(p.d, limits)
-    maps = tma_maps(p, g, cfg.br) if cfg is not None else "no configuration"
     plan = plans.plan_backward(g.batch, p.hq, p.hk, p.nq, p.nk, p.d, ctype(p), limits, config, p.variant,
                                total=p.total_k if p.varlen else None,
-                               maps=maps if isinstance(maps, tuple) else ())  # fmt: skip
+                               maps=lambda cfg: tma_maps(p, g, cfg.br))  # fmt: skip
     return backward_call(plan, p, g, deterministic, limits.sm_count)
 
 

@@ -367,11 +367,12 @@ def backward_config(d: int, limits: DeviceLimits) -> BackwardConfig | None:
 def plan_backward(
     batch: int, hq: int, hk: int, nq: int, nk: int, d: int, ctype: str, limits: DeviceLimits,
     config: BackwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
-    maps: tuple = (),
+    maps: Callable[[BackwardConfig], tuple | str] | None = None,
 ) -> BackwardPlan:  # fmt: skip
     """The mma family's three launches (Delta, main, dQ conversion) with this family's main kernel; one launch
-    when a key tile covers every key (``owns_dq``). ``maps``: TMA maps of q and dout for the call's views, if they
-    have them (``uses_tma``: the main kernel with the loader then copies Q_i/dO_i by TMA and carries them)."""
+    when a key tile covers every key (``owns_dq``). ``maps``: the TMA maps of q and dout for the call's views and a
+    configuration's boxes (Br rows), or why there are none (``uses_tma``: the main kernel with the loader then copies
+    Q_i/dO_i by TMA and carries them), as plan_forward's."""
     cfg = config or backward_config(d, limits)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma backward configuration for D={d} on sm_{limits.compute_capability}")
@@ -382,11 +383,13 @@ def plan_backward(
     policy, smem = staged_policy(variant, cfg.br, cfg.bc, cfg.stages, cfg.shared_bytes, limits)  # a tile a ring slot
     drawer = uses_drawer(cfg, variant)
     loader = uses_loader(cfg.d, variant, own) and smem + cfg.loader_bytes <= limits.max_shared_per_block
-    tma = uses_tma(loader, maps)
+    specs = maps(cfg) if maps is not None and loader else ()
+    specs = specs if isinstance(specs, tuple) else ()
+    tma = uses_tma(loader, specs)
     threads = cfg.threads + 128 * (drawer or loader)
     smem += cfg.keep_ring_bytes() if drawer else cfg.loader_bytes if loader else 0
     main = LaunchPlan(BACKWARD_SOURCE, cfg.name(ctype, policy, own, drawer, loader, tma), grid, (threads, 1, 1), smem,
-                      max_carveout=True, tensor_maps=tuple(maps) if tma else ())  # fmt: skip
+                      max_carveout=True, tensor_maps=specs if tma else ())  # fmt: skip
     return backward_plan_around(cfg, main, on_x, batch, hq, nq, d, ctype, own)
 
 
