@@ -355,45 +355,47 @@ __device__ __forceinline__ void score_strip_as(float (&s)[NT][4], int row0, int 
 }
 
 // ALiBi alone (no softcap) under a one-sided mask (OneSided: Causal), a query-major strip: a visible pair's distance
-// q + offset - k is this lane's base plus a compile-time step, exact as a float, so a score takes an FADD, an FMUL
-// and an FFMA instead of the FMUL, the four operations of distance_of's |q + offset - k| and the FFMA. Keys past the
-// diagonal get negative distances (finite): the mask sets them to -inf next (they sit in partial tiles only).
+// q + offset - k is this lane's base plus a compile-time step, exact as a float (one FADD serves two scores), and the
+// slope is divided by the scale once a strip, so a score takes one FFMA, s + (slope / scale) distance, and the scale
+// folds into the exponential's FFMA as for plain scores (the strip returns it). Against slope distance + s scale (an
+// FMUL more a score): the D = 64 wgmma forward 1.07x and backward 1.11x (s29, benchmarks/NOTES.md). score_strip takes
+// these forms only for scale > 0. Keys past the diagonal get negative distances (finite): the mask sets them to -inf
+// next (they sit in partial tiles only).
 template <int NT, class Score>
-__device__ __forceinline__ void alibi_strip_one_sided(float (&s)[NT][4], int row0, int col0, const Score& score) {
+__device__ __forceinline__ float alibi_strip_one_sided(float (&s)[NT][4], int row0, int col0, const Score& score) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const float base = static_cast<float>(row0 + (lane >> 2) + score.offset - col0 - (lane & 3) * 2);
-  const float slope = score.slope_log2, scale = score.P->scale_log2;
+  const float scale = score.P->scale_log2;  // > 0 (score_strip)
+  const float slope = __fdividef(score.slope_log2, scale);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float distance = base + static_cast<float>((e >> 1) * 8 - n * 8 - (e & 1));
-      s[n][e] = fmaf(slope, distance, s[n][e] * scale);
-    }
+    for (int e = 0; e < 4; ++e) s[n][e] = fmaf(slope, base + static_cast<float>((e >> 1) * 8 - n * 8 - (e & 1)), s[n][e]);
   }
+  return scale;
 }
 
-// The same for a key-major strip (the backwards': rows are keys row0 + g, + 8, columns queries col0 + 8n + 2t, + 1),
+// The same for a key-major strip (the backwards': rows are keys row0 + g, + 8, columns queries col0 + 8n + 2t, + 1;
+// the returned scale goes into probs_from_lse's FFMA),
 // for AlibiScore only: in ModScore's kernels the shorter form scheduled the softcap path 12-14% slower (s17,
 // benchmarks/NOTES.md), and there the two share one kernel.
 template <int NT, class Score>
-__device__ __forceinline__ void alibi_strip_one_sided_keys(float (&s)[NT][4], int row0, int col0, const Score& score) {
+__device__ __forceinline__ float alibi_strip_one_sided_keys(float (&s)[NT][4], int row0, int col0, const Score& score) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const float base = static_cast<float>(col0 + (lane & 3) * 2 + score.offset - row0 - (lane >> 2));
-  const float slope = score.slope_log2, scale = score.P->scale_log2;
+  const float scale = score.P->scale_log2;  // > 0 (score_strip)
+  const float slope = __fdividef(score.slope_log2, scale);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float distance = base + static_cast<float>(n * 8 + (e & 1) - (e >> 1) * 8);
-      s[n][e] = fmaf(slope, distance, s[n][e] * scale);
-    }
+    for (int e = 0; e < 4; ++e) s[n][e] = fmaf(slope, base + static_cast<float>(n * 8 + (e & 1) - (e >> 1) * 8), s[n][e]);
   }
+  return scale;
 }
 
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
-// exponential's FFMA takes next: the log2-space scale for plain scores (folded in, never multiplied here),
-// 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
+// exponential's FFMA takes next: the log2-space scale for plain scores and the one-sided ALiBi strips (folded in,
+// never multiplied here), 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
 // 16-bit rounding); float32 kernels take the accurate ones.
 // kOneSided: the kernel's mask is OneSided (ALiBi then skips the distance's abs: the forwards with ModScore or
 // AlibiScore, the backwards with AlibiScore).
@@ -407,14 +409,10 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
     // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
     if constexpr (kOneSided && !kKeyRows) {
-      if (!score.softcapped()) {
-        alibi_strip_one_sided<NT>(s, row0, col0, score);
-        return 1.f;
-      }
+      if (!score.softcapped() && score.P->scale_log2 > 0.f) return alibi_strip_one_sided<NT>(s, row0, col0, score);
     }
     if constexpr (kOneSided && kKeyRows && AlibiOnly<Score>::value) {
-      alibi_strip_one_sided_keys<NT>(s, row0, col0, score);
-      return 1.f;
+      if (score.P->scale_log2 > 0.f) return alibi_strip_one_sided_keys<NT>(s, row0, col0, score);
     }
     if (!score.softcapped()) score_strip_as<NT, kKeyRows, kFast, false, true>(s, row0, col0, score);  // ALiBi
     else if (kKeyRows || score.sloped()) score_strip_as<NT, kKeyRows, kFast, true, true>(s, row0, col0, score);

@@ -433,9 +433,11 @@ FLEX_SPILL_ALLOWANCE: dict[str, int] = {
 #: stack) at D = 128 with every built-in score, all in the loader's 24 registers (its tile coordinates and row
 #: pointers); 8/8 B (8 B stack) at D = 64 on plain scores.
 #: With ALiBi at D = 64 (AlibiScore, plans.wgmma.LOADER_SCORES_D64) 68/84 B (64 B stack) in the compute warpgroups'
-#: 240 registers: measured 1.07x the lockstep kernel, which has none.
+#: 240 registers: measured 1.07x the lockstep kernel, which has none; 8/8 B since the slope folds into the scale (s29;
+#: 0 B with NVRTC 13.0).
 #: With the loader's Q_i/dO_i by TMA (kTma, plans.wgmma.uses_tma) the loader spills nothing (NVRTC 13.5 and 13.0, every
-#: built-in score at both head dims); ALiBi at D = 64 keeps its compute warpgroups' spill (48/64 B, 76/100 B with 13.0).
+#: built-in score at both head dims); ALiBi at D = 64 keeps its compute warpgroups' spill (48/64 B, 76/100 B with 13.0;
+#: 32/40 B and 28/32 B since s29).
 LOADER_SPILL_ALLOWANCE = 32
 LOADER_ALIBI_D64_ALLOWANCE = 96
 LOADER_SUFFIX = ", false, false, true>"  # kOwnDQ, kDrawer, kLoader

@@ -79,6 +79,8 @@ CASES = [
     ("alibi-batch-causal-nq<nk", (2, 2, 2, 130, 260), dict(alibi="batch", causal=True)),
     ("alibi-head-gqa-nq>nk", (1, 8, 2, 300, 100), dict(alibi="head")),
     ("alibi-batch-mqa-nq<nk", (2, 4, 1, 64, 257), dict(alibi="batch")),
+    # the one-sided strips fold ALiBi's slope into the exponential's scale when it is > 0; else the general form
+    ("alibi-causal-negative-scale", (1, 2, 2, 160, 160), dict(alibi="batch", causal=True, scale=-0.05)),
     ("sinks", (2, 2, 2, 200, 200), dict(sinks=True)),
     ("sinks-causal-nq>nk", (2, 3, 1, 250, 100), dict(sinks=True, causal=True)),  # keyless rows: sink only
     ("sinks-gqa-nq<nk", (1, 6, 2, 100, 300), dict(sinks=True)),
