@@ -361,12 +361,12 @@ __device__ __forceinline__ void score_strip_as(float (&s)[NT][4], int row0, int 
 // FMUL more a score): the D = 64 wgmma forward 1.07x and backward 1.11x (s29, benchmarks/NOTES.md). score_strip takes
 // these forms only for scale > 0. Keys past the diagonal get negative distances (finite): the mask sets them to -inf
 // next (they sit in partial tiles only).
-template <int NT, class Score>
+template <int NT, bool kFast, class Score>
 __device__ __forceinline__ float alibi_strip_one_sided(float (&s)[NT][4], int row0, int col0, const Score& score) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const float base = static_cast<float>(row0 + (lane >> 2) + score.offset - col0 - (lane & 3) * 2);
   const float scale = score.P->scale_log2;  // > 0 (score_strip)
-  const float slope = __fdividef(score.slope_log2, scale);
+  const float slope = kFast ? __fdividef(score.slope_log2, scale) : score.slope_log2 / scale;  // (float32: exact)
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -379,12 +379,12 @@ __device__ __forceinline__ float alibi_strip_one_sided(float (&s)[NT][4], int ro
 // the returned scale goes into probs_from_lse's FFMA),
 // for AlibiScore only: in ModScore's kernels the shorter form scheduled the softcap path 12-14% slower (s17,
 // benchmarks/NOTES.md), and there the two share one kernel.
-template <int NT, class Score>
+template <int NT, bool kFast, class Score>
 __device__ __forceinline__ float alibi_strip_one_sided_keys(float (&s)[NT][4], int row0, int col0, const Score& score) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const float base = static_cast<float>(col0 + (lane & 3) * 2 + score.offset - row0 - (lane >> 2));
   const float scale = score.P->scale_log2;  // > 0 (score_strip)
-  const float slope = __fdividef(score.slope_log2, scale);
+  const float slope = kFast ? __fdividef(score.slope_log2, scale) : score.slope_log2 / scale;  // (float32: exact)
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -409,10 +409,10 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
     // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
     if constexpr (kOneSided && !kKeyRows) {
-      if (!score.softcapped() && score.P->scale_log2 > 0.f) return alibi_strip_one_sided<NT>(s, row0, col0, score);
+      if (!score.softcapped() && score.P->scale_log2 > 0.f) return alibi_strip_one_sided<NT, kFast>(s, row0, col0, score);
     }
     if constexpr (kOneSided && kKeyRows && AlibiOnly<Score>::value) {
-      if (score.P->scale_log2 > 0.f) return alibi_strip_one_sided_keys<NT>(s, row0, col0, score);
+      if (score.P->scale_log2 > 0.f) return alibi_strip_one_sided_keys<NT, kFast>(s, row0, col0, score);
     }
     if (!score.softcapped()) score_strip_as<NT, kKeyRows, kFast, false, true>(s, row0, col0, score);  // ALiBi
     else if (kKeyRows || score.sloped()) score_strip_as<NT, kKeyRows, kFast, true, true>(s, row0, col0, score);

@@ -163,6 +163,9 @@ VARIANTS = [
     ("window-softcap-alibi-head-nq>nk", (1, 8, 2, 300, 200), 64,
      dict(window_size=(40, 40), softcap=20.0, alibi="head")),
     ("sinks-nq<nk", (2, 2, 2, 150, 300), 64, dict(sinks=True)),
+    # causal ALiBi alone: the one-sided strips' slope / scale form (mma_softmax.cuh), forward and backward
+    ("alibi-causal-head-nq<nk", (2, 4, 2, 200, 260), 64, dict(causal=True, alibi="head")),
+    ("alibi-causal-batch", (1, 4, 4, 300, 300), 128, dict(causal=True, alibi="batch")),
     ("sinks-one-tile", (2, 4, 2, 100, 90), 64, dict(sinks=True)),  # the kernel that owns dQ adds dsinks itself
     ("sinks-causal-nq>nk", (2, 3, 1, 250, 200), 128, dict(sinks=True, causal=True)),  # keyless rows: sink only
 ]  # fmt: skip
