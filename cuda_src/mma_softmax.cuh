@@ -370,7 +370,9 @@ __device__ __forceinline__ float alibi_strip_one_sided(float (&s)[NT][4], int ro
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = fmaf(slope, base + static_cast<float>((e >> 1) * 8 - n * 8 - (e & 1)), s[n][e]);
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = fmaf(slope, base + static_cast<float>((e >> 1) * 8 - n * 8 - (e & 1)), s[n][e]);
+    }
   }
   return scale;
 }
@@ -388,15 +390,17 @@ __device__ __forceinline__ float alibi_strip_one_sided_keys(float (&s)[NT][4], i
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = fmaf(slope, base + static_cast<float>(n * 8 + (e & 1) - (e >> 1) * 8), s[n][e]);
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = fmaf(slope, base + static_cast<float>(n * 8 + (e & 1) - (e >> 1) * 8), s[n][e]);
+    }
   }
   return scale;
 }
 
 // The policy's scores for one strip (a strip as in score_elements), before masking. Returns the scale the
 // exponential's FFMA takes next: the log2-space scale for plain scores and the one-sided ALiBi strips (folded in,
-// never multiplied here), 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms (tanh.approx, ~2^-11: below
-// 16-bit rounding); float32 kernels take the accurate ones.
+// never multiplied here), 1 once a score policy has produced log2 units itself. kFast: the score's MUFU forms
+// (tanh.approx, ~2^-11: below 16-bit rounding); float32 kernels take the accurate ones.
 // kOneSided: the kernel's mask is OneSided (ALiBi then skips the distance's abs: the forwards with ModScore or
 // AlibiScore, the backwards with AlibiScore).
 template <int NT, bool kKeyRows = false, bool kFast = true, bool kOneSided = false, class Score>
@@ -409,7 +413,9 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
     // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
     if constexpr (kOneSided && !kKeyRows) {
-      if (!score.softcapped() && score.P->scale_log2 > 0.f) return alibi_strip_one_sided<NT, kFast>(s, row0, col0, score);
+      if (!score.softcapped() && score.P->scale_log2 > 0.f) {
+        return alibi_strip_one_sided<NT, kFast>(s, row0, col0, score);
+      }
     }
     if constexpr (kOneSided && kKeyRows && AlibiOnly<Score>::value) {
       if (score.P->scale_log2 > 0.f) return alibi_strip_one_sided_keys<NT, kFast>(s, row0, col0, score);
