@@ -164,6 +164,7 @@ struct ModScoreOf {
   static constexpr bool kIdentity = false;
   static constexpr bool kSplitsSoftcap = true;  // has softcapped() and the kCap forms
   static constexpr bool kAlibiOnly = !kMayCap;
+  static constexpr bool kMaySlope_ = kMaySlope;  // (MaySlope: the strips' ALiBi forms are compiled only where true)
   // The kernel's __grid_constant__ params: the softcap's scalars are read from the constant bank where they
   // are used (copies would cost registers in kernels at their limit), as ArrayScore does.
   const AttentionParams* P;
@@ -216,6 +217,8 @@ using SoftcapScore = ModScoreOf<true, false>;  // softcap alone
 CUPYFLASH_POLICY_FLAG(SplitsSoftcap, kSplitsSoftcap);
 // Is a score type ALiBi alone (AlibiScore)?
 CUPYFLASH_POLICY_FLAG(AlibiOnly, kAlibiOnly);
+// May a score type add an ALiBi term (ModScore, AlibiScore; not SoftcapScore)?
+CUPYFLASH_POLICY_FLAG(MaySlope, kMaySlope_);
 // Does a mask hide every key past a query's diagonal (k > q + nk - nq)? Then ALiBi's |q + nk - nq - k| of a visible
 // pair is q + nk - nq - k (the forwards' alibi_strip_one_sided).
 CUPYFLASH_POLICY_FLAG(OneSided, kOneSided);

@@ -412,7 +412,7 @@ __device__ __forceinline__ float score_strip(float (&s)[NT][4], int row0, int co
     // The forwards' strips also skip the ALiBi distance (4 instructions a score) where the head has no slope:
     // softcap-only forward 6 / 11% faster at D = 64 / 128 (H100). The key-major backward strips keep it: with the
     // split, ptxas scheduled the backward's step worse (softcap backward 8% / 5% slower, benchmarks/NOTES.md).
-    if constexpr (kOneSided && !kKeyRows) {
+    if constexpr (kOneSided && !kKeyRows && MaySlope<Score>::value) {  // (SoftcapScore: no ALiBi code at all)
       if (!score.softcapped() && score.P->scale_log2 > 0.f) {
         return alibi_strip_one_sided<NT, kFast>(s, row0, col0, score);
       }
