@@ -26,6 +26,17 @@ GPU_REASON = _gpu_reason()
 HAS_GPU = GPU_REASON is None
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=f"GPU test: {GPU_REASON}")
 
+
+def _is_hopper() -> bool:
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+#: The wgmma family's kernels are compiled for sm_90a: its tests run on a compute capability 9.0 device only.
+HOPPER = HAS_GPU and _is_hopper()
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
+
 DTYPES = {"float32": _dtypes.FLOAT32, "float16": _dtypes.FLOAT16, "bfloat16": _dtypes.BFLOAT16}
 
 # Relative-error bounds (ARCHITECTURE.md, "What correct means"): float32 kernels against the float64 reference; the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
 
 import cupyflash
 from cupyflash import reference
@@ -23,8 +23,6 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 
 REPEATS = 50
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, random_qkv, rel_err, requires_gpu
+from conftest import (
+    DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
+)
 
 import cupyflash
 from cupyflash import reference
@@ -31,8 +33,6 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 DROPOUT_FAMILIES = [("portable", "float32"), ("portable", "float16"), ("portable", "bfloat16"), ("mma", "float16"),
                     ("mma", "bfloat16"), pytest.param("wgmma", "float16", marks=_needs_hopper),
                     pytest.param("wgmma", "bfloat16", marks=_needs_hopper)]  # fmt: skip

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, requires_gpu
-from test_variants_gpu import HOPPER, assert_fa_criterion, assert_float32_close
+from conftest import DTYPES, HAS_GPU, requires_gpu, HOPPER
+from test_variants_gpu import assert_fa_criterion, assert_float32_close
 
 import cupyflash
 from cupyflash import flex, reference

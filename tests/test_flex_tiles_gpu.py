@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, requires_gpu
+from conftest import DTYPES, HAS_GPU, requires_gpu, HOPPER
 from test_flex_gpu import _dev, _inputs, check_against_reference, naive, run_family
-from test_variants_gpu import HOPPER, assert_fa_criterion, assert_float32_close
+from test_variants_gpu import assert_fa_criterion, assert_float32_close
 
 import cupyflash
 from cupyflash import flex, reference

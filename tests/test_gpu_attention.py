@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, random_qkv, rel_err, requires_gpu
+from conftest import (
+    DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
+)
 
 import cupyflash
 from cupyflash import reference
@@ -25,8 +27,6 @@ HEAD_DIMS = [16, 32, 40, 64, 80, 96, 128, 160, 192, 256]
 SEQ_LENS = [1, 17, 128, 1000]
 
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 
 
 def family_cases():

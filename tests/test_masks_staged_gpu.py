@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import HAS_GPU, requires_gpu
+from conftest import HAS_GPU, requires_gpu, needs_hopper as _needs_hopper
 from test_masks_gpu import check, make_inputs, run_family
-from test_variants_gpu import _needs_hopper
 
 from cupyflash.plans import DeviceLimits
 from cupyflash.plans import wgmma as plans

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
 
 import test_variants_gpu as tv
 import cupyflash
@@ -26,8 +26,6 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 
 # (id, (B, Hq, Hk, Nq, Nk), spec): Nk <= every kernel's key tile here (Bc >= 32: mma D = 256 has Bc = 32)
 SHAPES = [

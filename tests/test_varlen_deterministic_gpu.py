@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import HAS_GPU, requires_gpu
-from test_variants_gpu import _needs_hopper
+from conftest import HAS_GPU, requires_gpu, needs_hopper as _needs_hopper
 from test_varlen_gpu import _dev, assert_pack_close, make_pack, poison_pool
 
 import cupyflash

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, rel_err, requires_gpu
-from test_variants_gpu import _needs_hopper
+from conftest import DTYPES, HAS_GPU, TOL_GRAD, TOL_OUT, rel_err, requires_gpu, needs_hopper as _needs_hopper
 from test_varlen_gpu import _dev, cu, make_pack, poison_pool
 
 import cupyflash

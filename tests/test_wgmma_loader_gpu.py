@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_GRAD, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
 from test_varlen_gpu import poison_pool
 
 import cupyflash
@@ -27,8 +27,6 @@ from cupyflash.validation import check_backward
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 pytestmark = [requires_gpu, pytest.mark.gpu, _needs_hopper]
 
 DOC_MASK = "doc(b, q_idx) == doc(b, kv_idx)"

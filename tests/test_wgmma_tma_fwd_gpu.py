@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_OUT, rel_err, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_OUT, rel_err, requires_gpu, needs_hopper as _needs_hopper
 from test_varlen_gpu import poison_pool
 from test_wgmma_loader_gpu import _keywords
 from test_wgmma_tma_gpu import _array
@@ -30,8 +30,6 @@ from cupyflash.plans import wgmma as plans
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 pytestmark = [requires_gpu, pytest.mark.gpu, _needs_hopper]
 
 #: (id, d, (b, hq, hk, nq, nk), causal, keywords, layout, dtype); layout "bhnd" or "bnhd" (a transposed view)

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import DTYPES, HAS_GPU, TOL_OUT, random_qkv, rel_err, requires_gpu
+from conftest import DTYPES, HAS_GPU, TOL_OUT, random_qkv, rel_err, requires_gpu, needs_hopper as _needs_hopper
 from test_variants_gpu import assert_fa_criterion, fa_floor, naive_attention
 from test_varlen_gpu import poison_pool
 
@@ -41,8 +41,6 @@ from cupyflash.variants import Variant
 if HAS_GPU:
     import cupy
 
-HOPPER = HAS_GPU and cupy.cuda.Device().compute_capability == "90"
-_needs_hopper = pytest.mark.skipif(not HOPPER, reason="the wgmma family needs compute capability 9.0 (sm_90a)")
 pytestmark = [requires_gpu, pytest.mark.gpu, _needs_hopper]
 
 WS = plans.WS_FORWARD_CONFIGS
