@@ -63,10 +63,11 @@ def test_ws_default_and_explicit_choice(monkeypatch):
     assert all(plans.WS_DEFAULT.values())
     causal = Variant(causal=True)
     short, long = plans.WS_MIN_CAUSAL_ROWS_D64 - 1, plans.WS_MIN_CAUSAL_ROWS_D64
-    assert plans.plan_forward(1, 8, short, 64, "__half", H100, variant=causal).config == plans.FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, long, 64, "__half", H100, variant=causal).config == plans.WS_FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, short, 64, "__half", H100).config == plans.WS_FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, short, 128, "__half", H100, variant=causal).config == plans.WS_FORWARD_CONFIGS[128]
+    nk = 4 * plans.PERSISTENT_MAX_KEYS  # (rows of many keys: one tile a block, not persistent)
+    assert plans.plan_forward(1, 8, short, 64, "__half", H100, variant=causal, nk=nk).config == plans.FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, long, 64, "__half", H100, variant=causal, nk=nk).config == plans.WS_FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, short, 64, "__half", H100, nk=nk).config == plans.WS_FORWARD_CONFIGS[64]
+    assert plans.plan_forward(1, 8, short, 128, "__half", H100, variant=causal, nk=nk).config == plans.WS_FORWARD_CONFIGS[128]
     for pd in (64, 128):
         want = plans.WS_FORWARD_CONFIGS[pd] if plans.WS_DEFAULT[pd] else plans.FORWARD_CONFIGS[pd]
         assert plans.forward_config(pd, H100) == want
@@ -150,15 +151,16 @@ def test_plan_backward_wraps_the_mma_helpers():
 
 def test_plan_forward_geometry():
     cfg = plans.forward_config(128, H100)  # the default (WS_DEFAULT) at D = 128
-    plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100)
+    nk = 4 * plans.PERSISTENT_MAX_KEYS  # (rows of many keys: one tile a block, not persistent)
+    plan = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, nk=nk)
     assert plan.config == cfg
     assert plan.main.grid == (cdiv(1000, cfg.br), 36, 1) and not plan.heads_on_x
     assert plan.main.block == (cfg.threads, 1, 1) and plan.main.shared_bytes == cfg.shared_bytes
     assert plan.main.source == cfg.source and plan.main.name == cfg.name("__nv_bfloat16", POL)
-    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, variant=Variant(True))
+    causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, variant=Variant(True), nk=nk)
     assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
     assert causal.heads_on_x == plans._heads_first(True, 36, H100.sm_count)
-    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, variant=Variant(True))  # 256 heads: one head's tiles together
+    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, variant=Variant(True), nk=nk)  # 256 heads: one head's tiles together
     assert not many.heads_on_x and many.main.grid == (cdiv(1024, cfg.br), 256, 1)
     with pytest.raises(ValueError, match="no wgmma forward configuration"):
         plans.plan_forward(1, 1, 10, 64, "__half", A100)
@@ -172,9 +174,8 @@ def test_instantiations_cover_every_config_once():
     # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 all but ModScore
     loaders = sum(plans.uses_loader(d, v, own=False) for v in BUILTIN for d in plans.BACKWARD_CONFIGS)
     assert loaders == len(BUILTIN) + sum(v.score_name != "ModScore" for v in BUILTIN) == 15
-    # and the persistent ws forwards of the windows bounded on both sides
-    persistent = len(plans.WS_FORWARD_CONFIGS) * sum(plans.persistent_by_default(v, False) for v in BUILTIN)
-    assert persistent == 4
+    # and the persistent ws forwards of every built-in policy (short calls and narrow windows run persistent)
+    persistent = len(plans.WS_FORWARD_CONFIGS) * len(BUILTIN)
     # every loader kernel twice: copying by cp.async and by TMA (kTma); every ws forward too (its producer's kTma)
     ws = len(plans.WS_FORWARD_CONFIGS)
     assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * (n_configs + ws) + 2 * loaders + 2 * persistent)
@@ -229,7 +230,7 @@ def test_array_plans_stage_score_tiles_where_they_fit(variant, d):
     if d == 64 and variant.bias != "float":
         assert 2 * fwd.shared_bytes <= 228 * 1024 or (variant.mask and variant.bias)
     # the plain problem keeps the plain configuration (lockstep or warp-specialised, WS_DEFAULT) and policy
-    plain = plans.plan_forward(2, 4, 1000, d, "__nv_bfloat16", H100).main
+    plain = plans.plan_forward(2, 4, 1000, d, "__nv_bfloat16", H100, nk=16384).main  # (not persistent)
     assert plain.name == plans.forward_config(d, H100).name("__nv_bfloat16", Variant().cpp_policy)
 
 
@@ -319,14 +320,15 @@ def test_narrow_windows_keep_the_lockstep_forward_at_d64():
         assert got.persistent == (ws and min(v.window) >= 0 and sum(v.window) < 2048), (v, d)  # bounded, narrow
 
 
-def test_persistent_ws_forward_for_dense_windows(monkeypatch):
-    """persistent_by_default: a dense ws call with a window bounded on both sides and at most
-    PERSISTENT_MAX_WINDOW_KEYS wide runs persistent (at most a block an SM, the plain grid's order kept in the
-    kernel's dense_tile_coord; Q_EMPTY's 8 bytes more), nothing else does: no window, a window unbounded on one side
-    or wider, varlen packs, block masks, the lockstep kernel; PERSISTENT = False
-    turns it off; an explicit configuration may ask for it on any dense call but not on varlen or block masks."""
+def test_persistent_ws_forward_for_short_rows(monkeypatch):
+    """persistent_by_default: a dense ws call whose rows meet at most PERSISTENT_MAX_KEYS keys (Nk, or a window's
+    left + right + 1 where both sides are bounded) runs persistent (at most a block an SM, the plain grid's order
+    kept in the kernel's dense_tile_coord; Q_EMPTY's 8 bytes more), nothing else does: longer rows, a wide window or
+    one unbounded on a side over long rows, varlen packs, block masks, dropout, the lockstep kernel; PERSISTENT =
+    False turns it off; an explicit configuration may ask for it on any dense call but not on varlen or block masks."""
     from cupyflash import flex
 
+    most = plans.PERSISTENT_MAX_KEYS
     window = Variant.of(True, (1024, 0), 0.0, False, False)
     base = plans.WS_FORWARD_CONFIGS[128]
     plan = plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=window)
@@ -338,13 +340,19 @@ def test_persistent_ws_forward_for_dense_windows(monkeypatch):
     assert small.config.persistent and small.main.grid == (2 * cdiv(300, base.br), 1, 1)  # fewer tiles than SMs
     spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
     block = Variant(window=(1024, 0), flex=spec, block_mask=(("bm_size", 64),), block_keys=9000)
-    wide = Variant.of(True, (plans.PERSISTENT_MAX_WINDOW_KEYS, 0), 0.0, False, False)  # one key too many
-    assert plans.persistent_by_default(Variant.of(True, (plans.PERSISTENT_MAX_WINDOW_KEYS - 1, 0), 0.0, False, False),
-                                       False)  # fmt: skip
-    for v, total in ((Variant(causal=True), None), (Variant(), None), (Variant.of(False, (-1, 64), 0.0, False, False),
-                     None), (window, 16384), (block, None), (wide, None)):  # fmt: skip
-        assert not plans.persistent_by_default(v, total is not None), v
-        plan = plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=v, total=total)
+    wide = Variant.of(True, (most, 0), 0.0, False, False)  # one key too many
+    one_sided = Variant.of(False, (-1, 64), 0.0, False, False)
+    causal, full, softcap = Variant(causal=True), Variant(), Variant(softcap=30.0)
+    for v, nk in ((Variant.of(True, (most - 1, 0), 0.0, False, False), 16384), (window, 16384), (causal, most),
+                  (full, 1024), (softcap, 700), (one_sided, most), (wide, most)):  # fmt: skip
+        assert plans.keys_a_row(v, nk) <= most and plans.persistent_by_default(v, False, nk), (v, nk)
+        assert plans.plan_forward(8, 16, nk, 128, "__nv_bfloat16", H100, variant=v).config.persistent, (v, nk)
+    assert plans.plan_forward(8, 16, 1024, 128, "__nv_bfloat16", H100, variant=full, nk=most + 1).main.grid[1] > 1
+    dropout = Variant(causal=True, window=(64, 0), dropout=0.1)
+    for v, total, nk in ((causal, None, most + 1), (full, None, 16384), (one_sided, None, 16384), (window, 16384, 16384),
+                         (block, None, 16384), (wide, None, 16384), (full, 1024, 1024), (dropout, None, 1024)):  # fmt: skip
+        assert not plans.persistent_by_default(v, total is not None, nk), v
+        plan = plans.plan_forward(2, 16, nk, 128, "__nv_bfloat16", H100, variant=v, total=total)
         assert not plan.config.persistent and plan.main.grid[1] > 1, v
     with pytest.raises(ValueError, match="persistent"):
         plans.plan_forward(2, 16, 4096, 128, "__half", H100, replace(base, persistent=True), window, total=4096)
@@ -356,6 +364,7 @@ def test_persistent_ws_forward_for_dense_windows(monkeypatch):
     assert forced.main.grid == (H100.sm_count, 1, 1)
     monkeypatch.setattr(plans, "PERSISTENT", False)
     assert not plans.plan_forward(2, 16, 16384, 128, "__nv_bfloat16", H100, variant=window).config.persistent
+    assert not plans.plan_forward(8, 16, 1024, 128, "__nv_bfloat16", H100, variant=full).config.persistent
 
 
 def test_snippets_take_the_ws_forward_with_a_block_mask_that_visits_many_keys():

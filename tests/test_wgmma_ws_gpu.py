@@ -185,7 +185,7 @@ PERSISTENT_CASES = [
     ("window-softcap-alibi-sinks-gqa", (2, 4, 2, 300, 500), False,
      dict(window_size=(32, 8), softcap=30.0, alibi_slopes="batch", sinks=True), 0.0, 3),
     ("window-dropout", (2, 2, 2, 333, 333), False, dict(window_size=(50, 10)), 0.17, 3),
-    ("causal", (2, 2, 2, 900, 900), True, {}, 0.0, 7),  # forced: not a default, but the same protocol
+    ("causal", (2, 2, 2, 900, 900), True, {}, 0.0, 7),  # short dense rows (persistent_by_default)
     ("full-one-sm", (1, 3, 3, 400, 257), False, {}, 0.0, 1),
 ]  # fmt: skip
 
@@ -407,17 +407,21 @@ def test_persistent(d, case, rng, few_sms, compiled):
     _check(dtype_name, q, k, v, causal, None, kw, got, lock, None if seed is None else (dropout_p, seed))
 
 
-def test_persistent_by_default_through_the_api(rng, compiled):
-    """A dense call with a sliding window takes the persistent form through the API (bit for bit what the
-    configuration reached explicitly gives)."""
+@pytest.mark.parametrize("window", [(64, 0), None], ids=["window", "short-causal"])
+def test_persistent_by_default_through_the_api(window, rng, compiled):
+    """A dense call whose rows meet few keys (a sliding window, or a short sequence) takes the persistent form
+    through the API (bit for bit what the configuration reached explicitly gives); longer rows do not."""
     import cupyflash
 
     q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (2,), 4, 2, 700, 700, 128, DTYPES["bfloat16"]))
-    p = check_attention(q, k, v, causal=True, window_size=(64, 0))
+    p = check_attention(q, k, v, causal=True, window_size=window)
     limits = plans.DeviceLimits.current()
-    plan = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant)
+    plan = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant, nk=700)
     assert plan.config.persistent and plan.main.grid[1:] == (1, 1)
-    o, lse = cupyflash.attention_forward(q, k, v, causal=True, window_size=(64, 0), kernel="wgmma")
+    long = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant,
+                              nk=plans.PERSISTENT_MAX_KEYS + 1)  # fmt: skip
+    assert long.config.persistent == (window is not None)
+    o, lse = cupyflash.attention_forward(q, k, v, causal=True, window_size=window, kernel="wgmma")
     _finish("the API's forward")
     o2, lse2 = _forward(replace(WS[128], persistent=True), q, k, v, p)
     assert cupy.asnumpy(o).tobytes() == cupy.asnumpy(o2).tobytes()

@@ -42,7 +42,7 @@ def forward_plan(
     """``config`` overrides the tile configuration (benchmarks and tests of other variants)."""
     plan = plans.plan_forward(g.batch, p.hq, p.nq, p.d, ctype(p), limits, config, p.variant,
                               total=p.total_q if p.varlen else None,
-                              maps=lambda cfg: forward_tma_maps(p, g, cfg.br, cfg.bc))  # fmt: skip
+                              maps=lambda cfg: forward_tma_maps(p, g, cfg.br, cfg.bc), nk=p.nk)  # fmt: skip
     return forward_call(plan, p, g)
 
 

@@ -120,8 +120,10 @@ WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 #: few 192-row tiles a head, one block an SM; WS_MIN_CAUSAL_ROWS_D64) and D = 128 causal at 4k (0.995x). Tests and
 #: dev scripts flip it, or pass ``forward_config(..., ws=...)`` / an explicit ``config``.
 WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
-#: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT).
-WS_MIN_CAUSAL_ROWS_D64 = 2048
+#: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT). 2048 until the
+#: persistent form took short rows (persistent_by_default); then at N = 1024 the persistent ws forward measured
+#: 1.02-1.06x the lockstep kernel and at N = 512 0.76-0.99x (three runs of benchmarks/dev_persistent_ab.py, H200).
+WS_MIN_CAUSAL_ROWS_D64 = 1024
 #: D = 64 calls with a block mask whose query rows visit fewer keys than this on average under the call's masks
 #: (``Variant.block_keys``) keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row
 #: tile meets few key tiles. Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; ws's speed over
@@ -163,23 +165,33 @@ def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
 
 #: Persistent ws forwards (``ForwardConfig.persistent``, cuda_src/wgmma_forward_ws.cu): the grid holds at most a block
 #: an SM and each block walks an even run of the plain grid's query tiles, its producer copying the next tile's Q_i
-#: and first K/V while its consumers finish the last one. Where query tiles meet few key tiles (sliding windows) a
-#: block's fill and drain are a large share of its time. False turns it off (A/B scripts).
+#: and first K/V while its consumers finish the last one. Where query tiles meet few key tiles (sliding windows,
+#: short sequences) a block's fill and drain are a large share of its time. False turns it off (A/B scripts).
 PERSISTENT = True
-#: Windows of at most this many keys a row (left + right + 1) run persistent. Measured (benchmarks/
-#: dev_persistent_ab.py, H200, bf16, H*D = 2048, N = 16k and 4k; persistent over one tile a block): causal windows of
-#: 1024 keys 1.02-1.06x, 512 + 512 1.03-1.08x, 256 at D = 128 1.17-1.18x; 2048 0.99-1.02x; 4096 0.94-1.01x.
-PERSISTENT_MAX_WINDOW_KEYS = 2048
+#: Calls whose rows meet at most this many keys (left + right + 1 for a window bounded on both sides, else Nk) run
+#: persistent. Measured (benchmarks/dev_persistent_ab.py, H200, bf16, H*D = 2048, B*N = 16k; persistent over one
+#: tile a block): causal windows of 1024 keys 1.02-1.06x, 512 + 512 1.03-1.08x, 256 at D = 128 1.17-1.18x; 2048
+#: 0.99-1.02x; 4096 0.94-1.01x. Dense rows (causal or not), one tile a block against persistent: N = 512-2048
+#: 1.04-1.25x through the API (--suite grid, two runs each; D = 64 causal at N <= 1024 was on the lockstep kernel),
+#: N = 4096 0.90-1.11x and N = 16k 0.96-1.03x in dev_persistent_ab.py (noisy: not taken).
+PERSISTENT_MAX_KEYS = 2048
 
 
-def persistent_by_default(variant: Variant, varlen: bool) -> bool:
-    """Does a ws forward call run persistent? Dense calls with a sliding window bounded on both sides, at most
-    PERSISTENT_MAX_WINDOW_KEYS wide, and no block mask (whose policy decodes its (batch, heads) from the block's grid
-    coordinates, flex_policy.cuh's BlockMasked); varlen grids map blocks to sequences, so they keep one tile a
+def keys_a_row(variant: Variant, nk: int) -> int:
+    """The most keys a query row may meet: Nk, or fewer under a sliding window bounded on both sides."""
+    if variant.window is not None and min(variant.window) >= 0:
+        return min(nk, sum(variant.window) + 1)
+    return nk
+
+
+def persistent_by_default(variant: Variant, varlen: bool, nk: int) -> bool:
+    """Does a ws forward call run persistent? Dense calls whose rows meet at most PERSISTENT_MAX_KEYS keys (short
+    sequences, narrow windows), without a block mask (whose policy decodes its (batch, heads) from the block's grid
+    coordinates, flex_policy.cuh's BlockMasked) and without dropout (its keep-bit draws spill 4-68 B in the D = 64
+    persistent consumers, NVRTC 13.5; never timed); varlen grids map blocks to sequences, so they keep one tile a
     block."""
-    narrow = variant.window is not None and min(variant.window) >= 0
-    narrow = narrow and sum(variant.window) + 1 <= PERSISTENT_MAX_WINDOW_KEYS
-    return PERSISTENT and narrow and not varlen and variant.flex is None
+    short = keys_a_row(variant, nk) <= PERSISTENT_MAX_KEYS
+    return PERSISTENT and short and not varlen and variant.flex is None and not variant.dropout
 
 
 def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), ws: bool | None = None
@@ -225,17 +237,18 @@ def uses_tma_forward(cfg: ForwardConfig, maps: tuple) -> bool:
 def plan_forward(
     batch: int, hq: int, nq: int, d: int, ctype: str, limits: DeviceLimits,
     config: ForwardConfig | None = None, variant: Variant = Variant(), total: int | None = None,
-    maps: Callable[[ForwardConfig], tuple | str] | None = None,
+    maps: Callable[[ForwardConfig], tuple | str] | None = None, nk: int | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """Grid (B*Hq, query tiles) or (query tiles, B*Hq), in the order _heads_first picks. ``maps``: the TMA maps
     of q, k and v for the call's views and a configuration's boxes (Br and Bc rows), or why there are none
-    (``uses_tma_forward``: the ws forward then copies by TMA and carries them)."""
+    (``uses_tma_forward``: the ws forward then copies by TMA and carries them). ``nk``: keys a row (None: ``nq``),
+    which persistent_by_default weighs."""
     cfg = config or forward_config(d, limits, variant, ws=False if lockstep_by_default(d, nq, variant) else None)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     if cfg.ws and ws_unsupported(variant) is not None:
         raise ValueError(f"the warp-specialised wgmma forward {ws_unsupported(variant)}")
-    if config is None and cfg.ws and persistent_by_default(variant, total is not None):
+    if config is None and cfg.ws and persistent_by_default(variant, total is not None, nq if nk is None else nk):
         cfg = replace(cfg, persistent=True)
     if cfg.persistent and (total is not None or variant.flex is not None):
         raise ValueError("the persistent ws forward takes dense calls without a block mask")
@@ -404,7 +417,7 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             pol = v.cpp_policy
             out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
             out += [(c.source, c.name(ct, pol, tma=True)) for c in WS_FORWARD_CONFIGS.values()]
-            if persistent_by_default(v, varlen=False):
+            if v.flex is None and not v.dropout:  # short rows and narrow windows run persistent (persistent_by_default)
                 out += [(c.source, replace(c, persistent=True).name(ct, pol, tma)) for c in WS_FORWARD_CONFIGS.values()
                         for tma in (False, True)]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
