@@ -4,8 +4,9 @@ lockstep kernel, in one process: each configuration reached explicitly through t
 events around back-to-back calls, median of batches), the three kernels alternated over two rounds (best of the
 two); persistent o/lse bit for bit against the ws kernel's. Rows: causal sliding windows of 256 / 1024 / 2048 /
 4096 keys (issue 13's rows are window 1024), a symmetric window, and dense causal / full (persistent forced there:
-not a default, for the record). GPU machine:
-    python benchmarks/dev_persistent_ab.py [--d 64 128] [--n 16384 4096] [--cases ...] > $OUT/persistent_ab.txt
+not a default, for the record). ``--two``: at D = 64 also the ws forward with two consumers (Br = 128, the
+lockstep kernel's tile) instead of three (Br = 192), one tile a block and persistent. GPU machine:
+    python benchmarks/dev_persistent_ab.py [--d 64 128] [--n 16384 4096] [--cases ...] [--two] > $OUT/persistent_ab.txt
 """
 from __future__ import annotations
 
@@ -40,12 +41,16 @@ def main() -> None:
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--n", type=int, nargs="+", default=[16384])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--two", action="store_true", help="D = 64: the ws forward with two consumers too")
     a = ap.parse_args()
     bf16 = cp.dtype("bfloat16")
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; bf16 forward GPU ms per call", flush=True)
     for d in a.d:
         configs = {"lockstep": plans.FORWARD_CONFIGS[d], "ws": plans.WS_FORWARD_CONFIGS[d],
                    "persistent": replace(plans.WS_FORWARD_CONFIGS[d], persistent=True)}  # fmt: skip
+        if a.two and d == 64:
+            two = replace(plans.WS_FORWARD_CONFIGS[d], warpgroups=2)
+            configs.update({"ws2": two, "persistent2": replace(two, persistent=True)})
         for n in a.n:
             b, h = max(1, 16384 // n), 2048 // d
             rng = cp.random.default_rng(0)
@@ -67,11 +72,13 @@ def main() -> None:
                 same = outs["persistent"] == outs["ws"]
                 default = plans.plan_forward(b, h, n, d, "__nv_bfloat16", plans.DeviceLimits.current(),
                                              variant=p.variant).config  # fmt: skip
-                kind = "lockstep" if not default.ws else "persistent" if default.persistent else "ws"
+                kind = ("lockstep" if not default.ws else "few-tiles (persistent2)" if default == plans.WS_FEW_TILES_D64
+                        else "persistent" if default.persistent else "ws")  # fmt: skip
+                more = "".join(f", {m} {best[m]:.3f} ({best['ws'] / best[m]:.3f}x ws)" for m in configs if m.endswith("2"))
                 print(f"D={d} N={n} B={b} {case:13s} lockstep {best['lockstep']:.3f} ms, ws {best['ws']:.3f}, "
                       f"persistent {best['persistent']:.3f}; persistent vs ws {best['ws'] / best['persistent']:.3f}x, "
                       f"vs lockstep {best['lockstep'] / best['persistent']:.3f}x; bitwise = ws: {same}; "
-                      f"default: {kind}", flush=True)
+                      f"default: {kind}{more}", flush=True)
 
 
 if __name__ == "__main__":

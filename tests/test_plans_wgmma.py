@@ -174,8 +174,9 @@ def test_instantiations_cover_every_config_once():
     # dtypes x policies x configs, and the backwards with the loader: D = 128 every policy, D = 64 all but ModScore
     loaders = sum(plans.uses_loader(d, v, own=False) for v in BUILTIN for d in plans.BACKWARD_CONFIGS)
     assert loaders == len(BUILTIN) + sum(v.score_name != "ModScore" for v in BUILTIN) == 15
-    # and the persistent ws forwards of every built-in policy (short calls and narrow windows run persistent)
-    persistent = len(plans.WS_FORWARD_CONFIGS) * len(BUILTIN)
+    # and the persistent ws forwards of every built-in policy (short calls and narrow windows run persistent), with
+    # D = 64's few-tiles one for the policies with a mask (causal, window)
+    persistent = len(plans.WS_FORWARD_CONFIGS) * len(BUILTIN) + sum(v.causal or v.window is not None for v in BUILTIN)
     # every loader kernel twice: copying by cp.async and by TMA (kTma); every ws forward too (its producer's kTma)
     ws = len(plans.WS_FORWARD_CONFIGS)
     assert len(inst) == len(set(inst)) == 2 * (len(BUILTIN) * (n_configs + ws) + 2 * loaders + 2 * persistent)
@@ -300,7 +301,8 @@ def test_ws_unsupported_gives_reasons_and_falls_back():
 
 def test_narrow_windows_keep_the_lockstep_forward_at_d64():
     """lockstep_by_default for sliding windows: at D = 64 a window of fewer than WS_MIN_WINDOW_KEYS_D64 keys a row
-    (both sides bounded; causal is right = 0) keeps the lockstep kernel, a wider or one-sided-unbounded one takes the
+    (both sides bounded; causal is right = 0) keeps the lockstep kernel (its tile in the persistent ws forward,
+    WS_FEW_TILES_D64, where the call may run persistent), a wider or one-sided-unbounded one takes the
     warp-specialised forward; D = 128 always takes it."""
     narrow = plans.WS_MIN_WINDOW_KEYS_D64 - 1
     cases = [  # (variant, head dim, warp-specialised?)
@@ -315,9 +317,11 @@ def test_narrow_windows_keep_the_lockstep_forward_at_d64():
     for v, d, ws in cases:
         assert plans.lockstep_by_default(d, 16384, v) is not ws, (v, d)
         want = (plans.WS_FORWARD_CONFIGS if ws else plans.FORWARD_CONFIGS)[d]
+        got = plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=replace(v, dropout=0.1)).config
+        assert got == want, (v, d)  # (with dropout: not persistent)
         got = plans.plan_forward(1, 8, 16384, d, "__nv_bfloat16", H100, variant=v).config
-        assert replace(got, persistent=False) == want, (v, d)
-        assert got.persistent == (ws and min(v.window) >= 0 and sum(v.window) < 2048), (v, d)  # bounded, narrow
+        assert got == (replace(want, persistent=min(v.window) >= 0 and sum(v.window) < 2048) if ws  # bounded, narrow
+                       else plans.WS_FEW_TILES_D64), (v, d)  # fmt: skip
 
 
 def test_persistent_ws_forward_for_short_rows(monkeypatch):
@@ -476,3 +480,31 @@ def test_backward_drawer_layout_matches_cpp():
     slots, pipe, bits16, bits8, launch, drawer, compute = probe_values(plans.BACKWARD_SOURCE, exprs, "compute_90a")
     assert slots == plans.KEEP_SLOTS and pipe == 16 * slots and (bits16, bits8) == (8, 4)
     assert launch * 384 <= 65536 and drawer + 2 * compute <= 3 * launch and compute == 240
+
+
+def test_few_key_tiles_at_d64_run_the_lockstep_tile_persistent():
+    """few_tiles_by_default: D = 64 calls that lockstep_by_default gives the lockstep kernel (causal rows under
+    WS_MIN_CAUSAL_ROWS_D64, windows under WS_MIN_WINDOW_KEYS_D64 keys) run WS_FEW_TILES_D64 (two consumers, Br = 128,
+    persistent) where they may run persistent; with dropout, a user snippet, a block mask, varlen or rows of many keys
+    they keep the lockstep kernel; D = 128 and longer causal rows are not touched."""
+    from cupyflash import flex
+
+    few = plans.WS_FEW_TILES_D64
+    assert few.persistent and few.ws and few.br == plans.FORWARD_CONFIGS[64].br == 128 and few.d == 64
+    causal, narrow = Variant(causal=True), Variant(causal=True, window=(255, 0))
+    rows = plans.WS_MIN_CAUSAL_ROWS_D64
+    for v, nq, nk in ((causal, rows - 1, rows - 1), (causal, 300, 300), (narrow, 16384, 16384), (narrow, 100, 5000)):
+        plan = plans.plan_forward(4, 8, nq, 64, "__half", H100, variant=v, nk=nk)
+        assert plan.config == few and plan.main.grid == (min(H100.sm_count, 32 * cdiv(nq, 128)), 1, 1), (v, nq)
+        assert plan.main.name == few.name("__half", v.cpp_policy) and plan.main.block == (384, 1, 1)
+        assert (plans.FORWARD_WS_SOURCE, plan.main.name) in family.instantiations()
+    spec = flex.FlexSpec(mask_mod="q_idx >= kv_idx")
+    lockstep = [(replace(causal, dropout=0.1), 1000, 1000, None), (causal, 1000, 16384, None),  # many keys a row
+                (causal, 1000, 1000, 4000), (Variant(causal=True, flex=spec), 1000, 1000, None),  # varlen, snippet
+                (Variant(causal=True, flex=spec, block_mask=(("bm_size", 64),), block_keys=500), 1000, 1000, None)]
+    for v, nq, nk, total in lockstep:
+        assert not plans.few_tiles_by_default(64, nq, v, total is not None, nk), v
+        assert not plans.plan_forward(4, 8, nq, 64, "__half", H100, variant=v, nk=nk, total=total).config.ws, v
+    for v, d, nq in ((causal, 128, 1000), (narrow, 128, 4096), (causal, 64, rows)):  # the ws tiles, persistent
+        got = plans.plan_forward(4, 8, nq, d, "__half", H100, variant=v).config
+        assert got == replace(plans.WS_FORWARD_CONFIGS[d], persistent=True), (v, d, nq)

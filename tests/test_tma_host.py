@@ -299,7 +299,7 @@ def test_the_ws_forward_copies_by_tma_where_maps_come(d, variant):
 
 
 def test_no_tma_forward_on_the_lockstep_kernel_or_when_turned_off(monkeypatch):
-    lockstep = _fwd_plan(64, Variant(causal=True), nq=1000)  # D = 64 causal, short: the lockstep kernel
+    lockstep = _fwd_plan(64, Variant(causal=True, dropout=0.1), nq=1000)  # D = 64 causal, short: the lockstep kernel
     assert not lockstep.config.ws and lockstep.main.tensor_maps == ()
     arrays = _fwd_plan(128, Variant(bias="__nv_bfloat16"))  # staged bias tiles: lockstep
     assert not arrays.config.ws and arrays.main.tensor_maps == ()

@@ -220,6 +220,10 @@ def _instantiations() -> set[tuple[str, str]]:
         pol = policy(causal, kw, dropout)
         out |= {(cfg.source, cfg.name(CTYPES[dt], pol)) for pd, dt in VARIANT_DTYPE.items()
                 for cfg in (WS[pd], LOCKSTEP[pd], replace(WS[pd], persistent=True))}  # fmt: skip
+        out |= {(cfg.source, cfg.name(CTYPES[VARIANT_DTYPE[64]], pol))
+                for cfg in (plans.WS_FEW_TILES_D64, replace(plans.WS_FEW_TILES_D64, persistent=False))}  # fmt: skip
+    # the API's few-tiles call (test_persistent_by_default_through_the_api)
+    out |= {(plans.FORWARD_WS_SOURCE, plans.WS_FEW_TILES_D64.name(CTYPES["bfloat16"], policy(True, {})))}
     # the ws forwards' producer by TMA too (kTma: the plans' default on dense calls with mappable views)
     out |= {(source, name[:-1] + (", false, true>" if name.endswith(">>") else ", true>"))
             for source, name in out if source == plans.FORWARD_WS_SOURCE}
@@ -377,12 +381,17 @@ def few_sms(monkeypatch):
     monkeypatch.undo()
 
 
+#: The persistent forms: each ws tile, and at D = 64 the lockstep kernel's tile (two consumers, plans.WS_FEW_TILES_D64).
+PERSISTENT_FORMS = {(128, "ws"): replace(WS[128], persistent=True), (64, "ws"): replace(WS[64], persistent=True),
+                    (64, "few-tiles"): plans.WS_FEW_TILES_D64}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c[0] for c in PERSISTENT_CASES])
-@pytest.mark.parametrize("d", [128, 64])
-def test_persistent(d, case, rng, few_sms, compiled):
+@pytest.mark.parametrize("d,form", list(PERSISTENT_FORMS), ids=[f"{d}-{f}" for d, f in PERSISTENT_FORMS])
+def test_persistent(d, form, case, rng, few_sms, compiled):
     """The persistent ws forward (each of a few blocks walks many query tiles; some with no key tile at all) gives
-    o and lse bit for bit equal to the one-tile-a-block ws kernel (the same arithmetic a tile), and so passes the
-    reference checks of _check against the lockstep kernel too."""
+    o and lse bit for bit equal to the one-tile-a-block ws kernel of its tile (the same arithmetic a tile), and so
+    passes the reference checks of _check against the lockstep kernel too."""
     _, shape, causal, spec, dropout_p, sms = case
     dtype_name = VARIANT_DTYPE[d]
     b, hq, hk, nq, nk = shape
@@ -395,34 +404,37 @@ def test_persistent(d, case, rng, few_sms, compiled):
     arrays = {n: kwd[key] for n, key in (("alibi", "alibi_slopes"), ("sinks", "sinks")) if kwd[key] is not None}
     seed = int(rng.integers(0, 2**62)) if dropout_p else None
     few_sms(sms)
-    cfg = replace(WS[d], persistent=True)
+    cfg = PERSISTENT_FORMS[d, form]
     plan = plans.plan_forward(b, hq, nq, d, CTYPES[dtype_name], plans.DeviceLimits.current(), cfg, p.variant)
     items = b * hq * -(-nq // cfg.br)
     assert plan.main.grid == (min(items, sms), 1, 1) and items > 2 * sms, plan.main.grid
     got = _forward(cfg, qd, kd, vd, p, arrays, seed)
-    one = _forward(WS[d], qd, kd, vd, p, arrays, seed)
+    one = _forward(replace(cfg, persistent=False), qd, kd, vd, p, arrays, seed)
     for name, x, y in zip(("o", "lse"), got, one):
         assert cupy.asnumpy(x).tobytes() == cupy.asnumpy(y).tobytes(), f"persistent {name} differs"
     lock = _forward(LOCKSTEP[d], qd, kd, vd, p, arrays, seed)
     _check(dtype_name, q, k, v, causal, None, kw, got, lock, None if seed is None else (dropout_p, seed))
 
 
-@pytest.mark.parametrize("window", [(64, 0), None], ids=["window", "short-causal"])
-def test_persistent_by_default_through_the_api(window, rng, compiled):
+@pytest.mark.parametrize("d,window", [(128, (64, 0)), (128, None), (64, None)],
+                         ids=["window", "short-causal", "short-causal-d64-few-tiles"])  # fmt: skip
+def test_persistent_by_default_through_the_api(d, window, rng, compiled):
     """A dense call whose rows meet few keys (a sliding window, or a short sequence) takes the persistent form
-    through the API (bit for bit what the configuration reached explicitly gives); longer rows do not."""
+    through the API (bit for bit what the configuration reached explicitly gives; at D = 64 causal, the lockstep
+    kernel's tile: WS_FEW_TILES_D64); longer rows do not."""
     import cupyflash
 
-    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (2,), 4, 2, 700, 700, 128, DTYPES["bfloat16"]))
+    q, k, v = (cupy.asarray(x) for x in random_qkv(rng, (2,), 4, 2, 700, 700, d, DTYPES["bfloat16"]))
     p = check_attention(q, k, v, causal=True, window_size=window)
     limits = plans.DeviceLimits.current()
-    plan = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant, nk=700)
-    assert plan.config.persistent and plan.main.grid[1:] == (1, 1)
-    long = plans.plan_forward(2, 4, 700, 128, CTYPES["bfloat16"], limits, variant=p.variant,
+    plan = plans.plan_forward(2, 4, 700, d, CTYPES["bfloat16"], limits, variant=p.variant, nk=700)
+    want = plans.WS_FEW_TILES_D64 if d == 64 else replace(WS[128], persistent=True)
+    assert plan.config == want and plan.main.grid[1:] == (1, 1)
+    long = plans.plan_forward(2, 4, 700, d, CTYPES["bfloat16"], limits, variant=p.variant,
                               nk=plans.PERSISTENT_MAX_KEYS + 1)  # fmt: skip
     assert long.config.persistent == (window is not None)
     o, lse = cupyflash.attention_forward(q, k, v, causal=True, window_size=window, kernel="wgmma")
     _finish("the API's forward")
-    o2, lse2 = _forward(replace(WS[128], persistent=True), q, k, v, p)
+    o2, lse2 = _forward(want, q, k, v, p)
     assert cupy.asnumpy(o).tobytes() == cupy.asnumpy(o2).tobytes()
     assert cupy.asnumpy(lse).tobytes() == cupy.asnumpy(lse2).tobytes()

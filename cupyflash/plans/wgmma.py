@@ -120,10 +120,9 @@ WS_FORWARD_CONFIGS: dict[int, ForwardConfig] = {
 #: few 192-row tiles a head, one block an SM; WS_MIN_CAUSAL_ROWS_D64) and D = 128 causal at 4k (0.995x). Tests and
 #: dev scripts flip it, or pass ``forward_config(..., ws=...)`` / an explicit ``config``.
 WS_DEFAULT: dict[int, bool] = {64: True, 128: True}
-#: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT). 2048 until the
-#: persistent form took short rows (persistent_by_default); then at N = 1024 the persistent ws forward measured
-#: 1.02-1.06x the lockstep kernel and at N = 512 0.76-0.99x (three runs of benchmarks/dev_persistent_ab.py, H200).
-WS_MIN_CAUSAL_ROWS_D64 = 1024
+#: Causal D = 64 calls with fewer query rows than this keep the lockstep kernel (see WS_DEFAULT), or its tile in the
+#: persistent ws forward (WS_FEW_TILES_D64).
+WS_MIN_CAUSAL_ROWS_D64 = 2048
 #: D = 64 calls with a block mask whose query rows visit fewer keys than this on average under the call's masks
 #: (``Variant.block_keys``) keep the lockstep kernel: its two blocks an SM hide each other's ends where a 192-row
 #: tile meets few key tiles. Measured (benchmarks/dev_flex_ws.py, H200, bf16, N = 16k, H = 32; ws's speed over
@@ -133,7 +132,7 @@ WS_MIN_CAUSAL_ROWS_D64 = 1024
 #: at every one of them: 1.13-1.19x.
 WS_MIN_BLOCK_KEYS_D64 = 2048
 #: D = 64 calls with a sliding window narrower than this (left + right + 1 keys, both sides bounded) keep the lockstep
-#: kernel, for the same reason. Measured (dev_flex_ws.py, H200, bf16, N = 16k, H = 32, causal windows; lockstep ms /
+#: kernel (or its tile persistent, WS_FEW_TILES_D64), for the same reason. Measured (dev_flex_ws.py, H200, bf16, N = 16k, H = 32, causal windows; lockstep ms /
 #: ws ms): 256 keys 0.208 / 0.275 (lockstep 1.32x), 1024 0.478 / 0.475, 4096 1.447 / 1.271 (ws 1.14x); D = 128: ws
 #: 1.07-1.12x at all three.
 WS_MIN_WINDOW_KEYS_D64 = 1024
@@ -145,6 +144,17 @@ def ws_unsupported(variant: Variant) -> str | None:
     if variant.arrays:
         return "does not stage mask/bias array tiles (the lockstep kernel does)"
     return None
+
+
+#: The ws forward with the lockstep kernel's 128-row tile at D = 64 (two consumers), persistent: where the D = 64 rules
+#: above give a call the lockstep kernel and the call may run persistent (persistent_by_default), this runs it
+#: (``few_tiles_by_default``). Its finer tile and the next tile's copies under the last one's epilogue beat both the
+#: lockstep kernel and the three-consumer tile there. Measured (benchmarks/dev_persistent_ab.py --two, H200, bf16,
+#: H*D = 2048, B*N = 16k; ms): causal N = 512 0.167 (lockstep 0.180), N = 1024 0.245 (three consumers persistent
+#: 0.268, lockstep 0.285), N = 2048 0.390 (0.383: not taken); causal windows of 256 keys 0.168-0.199 against the
+#: lockstep kernel's 0.177-0.213 (N = 512-16k); but dense rows and windows of 1024 keys at N >= 4k 0.87-0.99x the
+#: three-consumer tile, whose 192-row tile keeps the tensor cores busier.
+WS_FEW_TILES_D64 = ForwardConfig(64, bc=128, warpgroups=2, stages=4, ws=True, persistent=True)
 
 
 def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
@@ -192,6 +202,13 @@ def persistent_by_default(variant: Variant, varlen: bool, nk: int) -> bool:
     block."""
     short = keys_a_row(variant, nk) <= PERSISTENT_MAX_KEYS
     return PERSISTENT and short and not varlen and variant.flex is None and not variant.dropout
+
+
+def few_tiles_by_default(d: int, nq: int, variant: Variant, varlen: bool, nk: int) -> bool:
+    """Does a D = 64 call that lockstep_by_default gives the lockstep kernel (query tiles meeting few key tiles)
+    run WS_FEW_TILES_D64 instead? Where it may run persistent: not user snippets, block masks, dropout or varlen."""
+    return (lockstep_by_default(d, nq, variant) and padded_head_dim(d) == 64
+            and persistent_by_default(variant, varlen, nk) and ws_unsupported(variant) is None)  # fmt: skip
 
 
 def forward_config(d: int, limits: DeviceLimits, variant: Variant = Variant(), ws: bool | None = None
@@ -243,12 +260,16 @@ def plan_forward(
     of q, k and v for the call's views and a configuration's boxes (Br and Bc rows), or why there are none
     (``uses_tma_forward``: the ws forward then copies by TMA and carries them). ``nk``: keys a row (None: ``nq``),
     which persistent_by_default weighs."""
-    cfg = config or forward_config(d, limits, variant, ws=False if lockstep_by_default(d, nq, variant) else None)
+    nk, varlen = nq if nk is None else nk, total is not None
+    if config is None and few_tiles_by_default(d, nq, variant, varlen, nk):
+        cfg = WS_FEW_TILES_D64
+    else:
+        cfg = config or forward_config(d, limits, variant, ws=False if lockstep_by_default(d, nq, variant) else None)
     if cfg is None or cfg.shared_bytes > limits.max_shared_per_block:
         raise ValueError(f"no wgmma forward configuration for D={d} on sm_{limits.compute_capability}")
     if cfg.ws and ws_unsupported(variant) is not None:
         raise ValueError(f"the warp-specialised wgmma forward {ws_unsupported(variant)}")
-    if config is None and cfg.ws and persistent_by_default(variant, total is not None, nq if nk is None else nk):
+    if config is None and cfg.ws and persistent_by_default(variant, varlen, nk):
         cfg = replace(cfg, persistent=True)
     if cfg.persistent and (total is not None or variant.flex is not None):
         raise ValueError("the persistent ws forward takes dense calls without a block mask")
@@ -420,6 +441,8 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             if v.flex is None and not v.dropout:  # short rows and narrow windows run persistent (persistent_by_default)
                 out += [(c.source, replace(c, persistent=True).name(ct, pol, tma)) for c in WS_FORWARD_CONFIGS.values()
                         for tma in (False, True)]
+                if v.causal or v.window is not None:  # (few_tiles_by_default: D = 64 masks meeting few key tiles)
+                    out += [(FORWARD_WS_SOURCE, WS_FEW_TILES_D64.name(ct, pol, tma)) for tma in (False, True)]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True, tma=tma)) for c in BACKWARD_CONFIGS.values()
                     for tma in (False, True) if uses_loader(c.d, v, own=False)]
