@@ -74,7 +74,8 @@ def main() -> None:
                                              variant=p.variant).config  # fmt: skip
                 kind = ("lockstep" if not default.ws else "few-tiles (persistent2)" if default == plans.WS_FEW_TILES_D64
                         else "persistent" if default.persistent else "ws")  # fmt: skip
-                more = "".join(f", {m} {best[m]:.3f} ({best['ws'] / best[m]:.3f}x ws)" for m in configs if m.endswith("2"))
+                more = "".join(f", {m} {best[m]:.3f} ({best['ws'] / best[m]:.3f}x ws)"
+                               for m in configs if m.endswith("2"))  # fmt: skip
                 print(f"D={d} N={n} B={b} {case:13s} lockstep {best['lockstep']:.3f} ms, ws {best['ws']:.3f}, "
                       f"persistent {best['persistent']:.3f}; persistent vs ws {best['ws'] / best['persistent']:.3f}x, "
                       f"vs lockstep {best['lockstep'] / best['persistent']:.3f}x; bitwise = ws: {same}; "

@@ -64,10 +64,14 @@ def test_ws_default_and_explicit_choice(monkeypatch):
     causal = Variant(causal=True)
     short, long = plans.WS_MIN_CAUSAL_ROWS_D64 - 1, plans.WS_MIN_CAUSAL_ROWS_D64
     nk = 4 * plans.PERSISTENT_MAX_KEYS  # (rows of many keys: one tile a block, not persistent)
-    assert plans.plan_forward(1, 8, short, 64, "__half", H100, variant=causal, nk=nk).config == plans.FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, long, 64, "__half", H100, variant=causal, nk=nk).config == plans.WS_FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, short, 64, "__half", H100, nk=nk).config == plans.WS_FORWARD_CONFIGS[64]
-    assert plans.plan_forward(1, 8, short, 128, "__half", H100, variant=causal, nk=nk).config == plans.WS_FORWARD_CONFIGS[128]
+
+    def config(nq, d, variant=Variant()):
+        return plans.plan_forward(1, 8, nq, d, "__half", H100, variant=variant, nk=nk).config
+
+    assert config(short, 64, causal) == plans.FORWARD_CONFIGS[64]
+    assert config(long, 64, causal) == plans.WS_FORWARD_CONFIGS[64]
+    assert config(short, 64) == plans.WS_FORWARD_CONFIGS[64]
+    assert config(short, 128, causal) == plans.WS_FORWARD_CONFIGS[128]
     for pd in (64, 128):
         want = plans.WS_FORWARD_CONFIGS[pd] if plans.WS_DEFAULT[pd] else plans.FORWARD_CONFIGS[pd]
         assert plans.forward_config(pd, H100) == want
@@ -160,7 +164,8 @@ def test_plan_forward_geometry():
     causal = plans.plan_forward(3, 12, 1000, 72, "__nv_bfloat16", H100, variant=Variant(True), nk=nk)
     assert causal.main.grid == (36, cdiv(1000, cfg.br), 1) and causal.heads_on_x
     assert causal.heads_on_x == plans._heads_first(True, 36, H100.sm_count)
-    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, variant=Variant(True), nk=nk)  # 256 heads: one head's tiles together
+    # 256 heads: one head's tiles together
+    many = plans.plan_forward(16, 16, 1024, 128, "__half", H100, variant=Variant(True), nk=nk)
     assert not many.heads_on_x and many.main.grid == (cdiv(1024, cfg.br), 256, 1)
     with pytest.raises(ValueError, match="no wgmma forward configuration"):
         plans.plan_forward(1, 1, 10, 64, "__half", A100)
@@ -353,8 +358,9 @@ def test_persistent_ws_forward_for_short_rows(monkeypatch):
         assert plans.plan_forward(8, 16, nk, 128, "__nv_bfloat16", H100, variant=v).config.persistent, (v, nk)
     assert plans.plan_forward(8, 16, 1024, 128, "__nv_bfloat16", H100, variant=full, nk=most + 1).main.grid[1] > 1
     dropout = Variant(causal=True, window=(64, 0), dropout=0.1)
-    for v, total, nk in ((causal, None, most + 1), (full, None, 16384), (one_sided, None, 16384), (window, 16384, 16384),
-                         (block, None, 16384), (wide, None, 16384), (full, 1024, 1024), (dropout, None, 1024)):  # fmt: skip
+    for v, total, nk in ((causal, None, most + 1), (full, None, 16384), (one_sided, None, 16384),
+                         (window, 16384, 16384), (block, None, 16384), (wide, None, 16384), (full, 1024, 1024),
+                         (dropout, None, 1024)):  # fmt: skip
         assert not plans.persistent_by_default(v, total is not None, nk), v
         plan = plans.plan_forward(2, 16, nk, 128, "__nv_bfloat16", H100, variant=v, total=total)
         assert not plan.config.persistent and plan.main.grid[1] > 1, v

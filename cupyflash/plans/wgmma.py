@@ -132,9 +132,9 @@ WS_MIN_CAUSAL_ROWS_D64 = 2048
 #: at every one of them: 1.13-1.19x.
 WS_MIN_BLOCK_KEYS_D64 = 2048
 #: D = 64 calls with a sliding window narrower than this (left + right + 1 keys, both sides bounded) keep the lockstep
-#: kernel (or its tile persistent, WS_FEW_TILES_D64), for the same reason. Measured (dev_flex_ws.py, H200, bf16, N = 16k, H = 32, causal windows; lockstep ms /
-#: ws ms): 256 keys 0.208 / 0.275 (lockstep 1.32x), 1024 0.478 / 0.475, 4096 1.447 / 1.271 (ws 1.14x); D = 128: ws
-#: 1.07-1.12x at all three.
+#: kernel (or its tile persistent, WS_FEW_TILES_D64), for the same reason. Measured (dev_flex_ws.py, H200, bf16,
+#: N = 16k, H = 32, causal windows; lockstep ms / ws ms): 256 keys 0.208 / 0.275 (lockstep 1.32x), 1024 0.478 /
+#: 0.475, 4096 1.447 / 1.271 (ws 1.14x); D = 128: ws 1.07-1.12x at all three.
 WS_MIN_WINDOW_KEYS_D64 = 1024
 
 
@@ -271,7 +271,7 @@ def plan_forward(
         raise ValueError(f"the warp-specialised wgmma forward {ws_unsupported(variant)}")
     if config is None and cfg.ws and persistent_by_default(variant, varlen, nk):
         cfg = replace(cfg, persistent=True)
-    if cfg.persistent and (total is not None or variant.flex is not None):
+    if cfg.persistent and (varlen or variant.flex is not None):
         raise ValueError("the persistent ws forward takes dense calls without a block mask")
     heads, tiles = grid_axes(batch, hq, nq, cfg.br, total)
     on_x = _heads_first(variant.longest_first, heads, limits.sm_count, tiles)
