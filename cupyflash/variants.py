@@ -182,6 +182,13 @@ class Variant:
         return (far if left < 0 else min(left, far)), (far if right < 0 else min(right, far))
 
     @property
+    def window_keys(self) -> int | None:
+        """Keys a row's window spans (left + right + 1) where both its sides are bounded, else None."""
+        if self.window is None or min(self.window) < 0:
+            return None
+        return self.window[0] + self.window[1] + 1
+
+    @property
     def longest_first(self) -> bool:
         """Query tiles differ in work (a triangle: causal, or a window unbounded on the left only), so grids
         that start every head's longest tiles first finish sooner."""

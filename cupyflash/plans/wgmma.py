@@ -168,8 +168,8 @@ def lockstep_by_default(d: int, nq: int, variant: Variant) -> bool:
         return False
     if variant.block_keys:  # (counted under the call's window too: BlockMask.keys_a_row)
         return variant.block_keys < WS_MIN_BLOCK_KEYS_D64
-    if variant.window is not None and min(variant.window) >= 0:
-        return sum(variant.window) + 1 < WS_MIN_WINDOW_KEYS_D64
+    if variant.window_keys is not None:
+        return variant.window_keys < WS_MIN_WINDOW_KEYS_D64
     return variant.causal and nq < WS_MIN_CAUSAL_ROWS_D64
 
 
@@ -189,9 +189,7 @@ PERSISTENT_MAX_KEYS = 2048
 
 def keys_a_row(variant: Variant, nk: int) -> int:
     """The most keys a query row may meet: Nk, or fewer under a sliding window bounded on both sides."""
-    if variant.window is not None and min(variant.window) >= 0:
-        return min(nk, sum(variant.window) + 1)
-    return nk
+    return nk if variant.window_keys is None else min(nk, variant.window_keys)
 
 
 def persistent_by_default(variant: Variant, varlen: bool, nk: int) -> bool:
@@ -438,11 +436,11 @@ def instantiations(ctypes: tuple[str, ...] = ("__half", "__nv_bfloat16"), varian
             pol = v.cpp_policy
             out += [(c.source, c.name(ct, pol)) for c in (*FORWARD_CONFIGS.values(), *WS_FORWARD_CONFIGS.values())]
             out += [(c.source, c.name(ct, pol, tma=True)) for c in WS_FORWARD_CONFIGS.values()]
-            if v.flex is None and not v.dropout:  # short rows and narrow windows run persistent (persistent_by_default)
+            if persistent_by_default(v, varlen=False, nk=1):  # (its short calls run persistent)
                 out += [(c.source, replace(c, persistent=True).name(ct, pol, tma)) for c in WS_FORWARD_CONFIGS.values()
                         for tma in (False, True)]
-                if v.causal or v.window is not None:  # (few_tiles_by_default: D = 64 masks meeting few key tiles)
-                    out += [(FORWARD_WS_SOURCE, WS_FEW_TILES_D64.name(ct, pol, tma)) for tma in (False, True)]
+            if few_tiles_by_default(64, nq=1, variant=v, varlen=False, nk=1):
+                out += [(FORWARD_WS_SOURCE, WS_FEW_TILES_D64.name(ct, pol, tma)) for tma in (False, True)]
             out += [(BACKWARD_SOURCE, c.name(ct, pol)) for c in BACKWARD_CONFIGS.values()]
             out += [(BACKWARD_SOURCE, c.name(ct, pol, loader=True, tma=tma)) for c in BACKWARD_CONFIGS.values()
                     for tma in (False, True) if uses_loader(c.d, v, own=False)]
